@@ -1,0 +1,222 @@
+"""Who am I, and who else is there: rank and world from the launcher.
+
+Three ways to start, one `World` value:
+
+* `mpirun -n K python ...` -- ranks from MPI (mpi4py). Rank 0 picks a free TCP
+  port and its own reachable address and broadcasts both over MPI, so c10d and
+  jax.distributed need no extra configuration. `MASTER_ADDR` / `MASTER_PORT`
+  override the choice (e.g. a job spanning hosts with several interfaces).
+* `torchrun --nproc-per-node K ...` -- ranks and rendezvous from its env vars.
+* plain `python ...` -- a world of one.
+
+`init()` also initialises the c10d default process group (Gloo on CPU, NCCL
+when asked for and CUDA is present) and pins each rank to its share of the
+cores: ranks on one host compete for the same cores otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+import os
+import socket
+import sys
+
+__all__ = ["World", "detect", "init", "world", "mpi_comm", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("PORTDDP_TIMEOUT_S", 300))
+"""Collective timeout (seconds) for c10d; override with init(timeout_s=...) or
+the PORTDDP_TIMEOUT_S environment variable."""
+
+# Rank variables set by the MPI launchers we know (MPICH/Hydra, Open MPI, Slurm's PMI).
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+_MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+_MPI_LOCAL_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+_MPI_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """This process's place in the job."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    launcher: str  # "mpirun", "torchrun" or "none"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _first_env(names, default=None):
+    for n in names:
+        if n in os.environ:
+            return os.environ[n]
+    return default
+
+
+def _launched_by_mpi() -> bool:
+    return _first_env(_MPI_RANK_VARS) is not None
+
+
+def mpi_comm():
+    """MPI.COMM_WORLD (importing mpi4py initialises MPI with thread support)."""
+    from mpi4py import MPI  # noqa: PLC0415 -- MPI_Init happens at import; only when needed
+
+    return MPI.COMM_WORLD
+
+
+def detect() -> World:
+    """Read rank/world from the launcher's environment (no communication)."""
+    if _launched_by_mpi():
+        comm = mpi_comm()
+        local = int(_first_env(_MPI_LOCAL_VARS, comm.rank))
+        local_size = int(_first_env(_MPI_LOCAL_SIZE_VARS, comm.size))
+        return World(comm.rank, comm.size, local, local_size, "mpirun")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return World(
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+            "torchrun",
+        )
+    return World(0, 1, 0, 1, "none")
+
+
+def _reachable_address() -> str | None:
+    """A non-loopback IPv4 address of this host, or None.
+
+    The UDP connect sends nothing; it only asks the kernel which interface
+    would route outwards."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 1))
+            addr = s.getsockname()[0]
+            if not ipaddress.ip_address(addr).is_loopback:
+                return addr
+    except OSError:
+        pass
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            addr = info[4][0]
+            if not ipaddress.ip_address(addr).is_loopback:
+                return addr
+    except OSError:
+        pass
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_address(w: World) -> tuple[str, int]:
+    """(address, port) of rank 0, the same on every rank.
+
+    Under mpirun rank 0 chooses and broadcasts; under torchrun the env has it."""
+    if w.launcher != "mpirun":
+        return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", _free_port()))
+    comm = mpi_comm()
+    mine = None
+    if w.rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or _reachable_address()
+        port = int(os.environ.get("MASTER_PORT") or _free_port())
+        mine = (addr, port, socket.gethostname())
+    addr, port, host0 = comm.bcast(mine, root=0)
+    hosts = comm.allgather(socket.gethostname())
+    if addr is None:
+        # Loopback is only reachable when every rank shares rank 0's host.
+        if any(h != host0 for h in hosts):
+            raise RuntimeError(
+                f"rank 0 ({host0}) found no non-loopback address, but the job spans hosts "
+                f"{sorted(set(hosts))}: set MASTER_ADDR to an address of {host0} the others can reach"
+            )
+        addr = "127.0.0.1"
+    return addr, port
+
+
+def _pin_threads(w: World, num_threads: int | None) -> int:
+    import torch  # noqa: PLC0415
+
+    if num_threads is None:
+        num_threads = max(1, (os.cpu_count() or 1) // max(1, w.local_size))
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+_WORLD: World | None = None
+
+
+def world() -> World:
+    """The World of the last init(), or what the launcher says if init() was not called."""
+    return _WORLD if _WORLD is not None else detect()
+
+
+def init(
+    backend: str | None = None,
+    *,
+    world_size: int | None = None,
+    timeout_s: float | None = None,
+    num_threads: int | None = None,
+    torch_distributed: bool = True,
+) -> World:
+    """Join the job: detect rank/world and initialise c10d's default group.
+
+    backend: "gloo" (default), or "nccl" (needs CUDA; each rank takes GPU local_rank).
+    world_size: the size you expect; a launcher that disagrees is an error.
+    timeout_s: collective timeout (default PORTDDP_TIMEOUT_S or 300 s).
+    num_threads: torch compute threads per rank (default: cores / ranks on this host).
+    torch_distributed: False skips c10d (e.g. transport="mpi" only).
+    """
+    global _WORLD
+    w = detect()
+    if world_size is not None and world_size != w.size:
+        raise RuntimeError(
+            f"portddp.init(world_size={world_size}) but the launcher ({w.launcher}) started "
+            f"{w.size} process(es): launch with `mpirun -n {world_size} ...` or pass world_size={w.size}"
+        )
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+    _pin_threads(w, num_threads)
+    if torch_distributed:
+        _init_c10d(w, backend or "gloo", timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+    _WORLD = w
+    return w
+
+
+def _init_c10d(w: World, backend: str, timeout_s: float) -> None:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False: use backend='gloo'")
+    if dist.is_initialized():
+        if dist.get_world_size() != w.size or dist.get_rank() != w.rank:
+            raise RuntimeError(
+                f"a c10d process group already exists with rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the launcher ({w.launcher}) says rank {w.rank} of {w.size}: "
+                "destroy it first (torch.distributed.destroy_process_group()) or let portddp.init() create it"
+            )
+        return
+    addr, port = rendezvous_address(w)
+    if backend == "nccl":
+        torch.cuda.set_device(w.local_rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=w.rank,
+        world_size=w.size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def log0(*args, **kwargs) -> None:
+    """print() on rank 0 only."""
+    if world().rank == 0:
+        print(*args, **kwargs, file=kwargs.pop("file", sys.stdout), flush=True)
