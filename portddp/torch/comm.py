@@ -1,0 +1,121 @@
+"""The two transports behind portddp.torch, one interface.
+
+`allreduce(tensor)` sums in place across ranks and returns a
+`torch.futures.Future` whose value is the tensor; it never blocks the caller.
+`broadcast_(tensors)` and `allgather_object(obj)` are blocking and used only
+outside the backward pass (construction, buffer sync, plan rebuild).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from portddp.transport import get_transport
+
+__all__ = ["C10dComm", "MPIComm", "make_comm", "TRANSPORTS"]
+
+TRANSPORTS = ("c10d", "mpi")
+
+
+def _coalesced(tensors):
+    """Group tensors by dtype and device, so each group travels as one flat buffer."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups.values()
+
+
+class _Comm:
+    rank: int
+    size: int
+
+    def broadcast_(self, tensors, src: int = 0) -> None:
+        """Overwrite `tensors` with rank `src`'s values (coalesced per dtype)."""
+        for group in _coalesced([t.detach() for t in tensors]):
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self._broadcast_flat(flat, src)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class C10dComm(_Comm):
+    """c10d process group (Gloo on CPU, NCCL on GPU): its own async work queue."""
+
+    name = "c10d"
+
+    def __init__(self, process_group=None):
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "transport='c10d' needs a c10d process group: call portddp.init() first "
+                "(or use transport='mpi' under mpirun)"
+            )
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.size = dist.get_world_size(process_group)
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def _broadcast_flat(self, flat, src):
+        dist.broadcast(flat, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+
+    def allgather_object(self, obj) -> list:
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing `t`'s memory (bfloat16 via ml_dtypes)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError(f"transport='mpi' works on CPU tensors; got one on {t.device}: use transport='c10d'")
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes  # noqa: PLC0415 -- ships with jax
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class MPIComm(_Comm):
+    """mpi4py collectives run on portddp's comm thread (portddp.transport)."""
+
+    name = "mpi"
+
+    def __init__(self):
+        self.transport = get_transport()
+        self.rank = self.transport.rank
+        self.size = self.transport.size
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        fut = torch.futures.Future()
+
+        def resolve(handle):  # on the comm thread
+            if handle._error is not None:
+                fut.set_exception(handle._error)
+            else:
+                fut.set_result(tensor)
+
+        self.transport.allreduce(_numpy_view(tensor), on_done=resolve)
+        return fut
+
+    def _broadcast_flat(self, flat, src):
+        self.transport.broadcast(_numpy_view(flat), root=src).wait()
+
+    def allgather_object(self, obj) -> list:
+        return self.transport.allgather_object(obj)
+
+
+def make_comm(transport: str, process_group=None) -> _Comm:
+    if transport == "c10d":
+        return C10dComm(process_group)
+    if transport == "mpi":
+        if process_group is not None:
+            raise ValueError("process_group applies to transport='c10d' only; transport='mpi' uses COMM_WORLD")
+        return MPIComm()
+    raise ValueError(f"unknown transport {transport!r}: choose one of {TRANSPORTS}")

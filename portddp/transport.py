@@ -1,0 +1,176 @@
+"""MPI transport: collectives on numpy buffers, run by a dedicated comm thread.
+
+A launch (`allreduce`, `broadcast`, ...) only puts the job on a queue and
+returns a `Handle`; the comm thread runs the blocking mpi4py collective (which
+releases the GIL), so the thread that launched it -- the autograd engine in
+PyTorch, an XLA callback in JAX -- is never blocked by communication. The queue
+is FIFO, which is what keeps every rank issuing collectives in the same order:
+buckets are launched in plan order, so they are reduced in plan order.
+
+Used by `portddp.torch` (`transport="mpi"`) and by `portddp.jax`. Buffers are
+reduced in place, so callers pass views of their flat bucket buffers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["Handle", "MPITransport", "get_transport"]
+
+_half_ops: dict = {}
+
+
+def _half_sum_op(np_dtype):
+    """An MPI sum for 16-bit floats, which MPI has no standard type for.
+
+    The buffers travel as uint16; each pairwise reduction is computed in
+    float32 and rounded back, as Gloo and NCCL do for half types."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    key = np.dtype(np_dtype).name
+    if key not in _half_ops:
+
+        def add(inbuf, inoutbuf, datatype):
+            a = np.frombuffer(inbuf, dtype=np_dtype)
+            b = np.frombuffer(inoutbuf, dtype=np_dtype)
+            b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(np_dtype)
+
+        _half_ops[key] = MPI.Op.Create(add, commute=True)
+    return _half_ops[key]
+
+
+def _is_half(dtype: np.dtype) -> bool:
+    return dtype.name in ("float16", "bfloat16")
+
+
+class Handle:
+    """A launched collective. `wait()` blocks until it is done and re-raises its error."""
+
+    __slots__ = ("_event", "_error", "launch_ns", "start_ns", "done_ns", "result", "_on_done")
+
+    def __init__(self, on_done: Callable[["Handle"], None] | None = None):
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._on_done = on_done
+        self.launch_ns = time.perf_counter_ns()  # queued
+        self.start_ns = 0  # the comm thread picked it up
+        self.done_ns = 0
+        self.result = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"MPI collective not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.result
+
+
+class MPITransport:
+    """Collectives over a private duplicate of COMM_WORLD, run by one comm thread."""
+
+    def __init__(self, comm=None):
+        from mpi4py import MPI  # noqa: PLC0415
+
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                "MPI was initialised without thread support, but the MPI transport runs its "
+                "collectives on a comm thread: do not set mpi4py.rc.threads = False"
+            )
+        self._MPI = MPI
+        # A private communicator: our collectives can never pair with a user's.
+        self.comm = (comm or MPI.COMM_WORLD).Dup()
+        self.rank = self.comm.rank
+        self.size = self.comm.size
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="portddp-mpi-comm", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # -- the comm thread ------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, handle = item
+            handle.start_ns = time.perf_counter_ns()
+            try:
+                handle.result = job()
+            except BaseException as e:  # handed to whoever waits
+                handle._error = e
+            handle.done_ns = time.perf_counter_ns()
+            handle._event.set()
+            if handle._on_done is not None:
+                handle._on_done(handle)
+
+    def _submit(self, job, on_done=None) -> Handle:
+        if self._thread is None:
+            raise RuntimeError("this MPITransport is closed")
+        handle = Handle(on_done)
+        self._queue.put((job, handle))
+        return handle
+
+    # -- collectives ------------------------------------------------------------
+    def _typed(self, buf: np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("MPI transport buffers must be C-contiguous (a view of a flat bucket)")
+        if _is_half(buf.dtype):
+            return [buf.view(np.uint16), self._MPI.UINT16_T], _half_sum_op(buf.dtype)
+        return buf, self._MPI.SUM
+
+    def allreduce(self, buf: np.ndarray, on_done=None) -> Handle:
+        """Sum `buf` over all ranks, in place. Returns at once."""
+        spec, op = self._typed(buf)
+        MPI = self._MPI
+
+        def job():
+            self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
+            return buf
+
+        return self._submit(job, on_done)
+
+    def broadcast(self, buf: np.ndarray, root: int = 0, on_done=None) -> Handle:
+        """Overwrite `buf` with rank `root`'s values, in place. Returns at once."""
+        spec, _ = self._typed(buf)
+
+        def job():
+            self.comm.Bcast(spec, root=root)
+            return buf
+
+        return self._submit(job, on_done)
+
+    def allgather_object(self, obj) -> list:
+        """Every rank's `obj`, in rank order (blocking; small objects only)."""
+        return self._submit(lambda: self.comm.allgather(obj)).wait()
+
+    def bcast_object(self, obj, root: int = 0):
+        return self._submit(lambda: self.comm.bcast(obj, root=root)).wait()
+
+    def barrier(self) -> None:
+        self._submit(self.comm.Barrier).wait()
+
+    def close(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join(timeout=5)
+
+
+_DEFAULT: MPITransport | None = None
+
+
+def get_transport() -> MPITransport:
+    """The process-wide MPI transport (one comm thread shared by every DDP wrapper)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = MPITransport()
+    return _DEFAULT
