@@ -358,7 +358,7 @@ class DistributedDataParallel(nn.Module):
             result = fut.wait()
             if result.data_ptr() != self._buffers[b].data_ptr():
                 self._buffers[b].copy_(result)
-        counts = used_fut.wait().tolist() if used is not None else [1] * len(self._seen)
+        counts = used_fut.wait().tolist() if used is not None else list(self._seen)
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1

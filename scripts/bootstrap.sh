@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up .venv (the first time, and again whenever pyproject.toml changes), then run a task:
+#   bash scripts/bootstrap.sh demo [args]   # the main job: 2-rank native DDP vs portddp.torch
+#   bash scripts/bootstrap.sh test [args]   # the test suite (what CI runs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+stamp=.venv/.portddp-setup
+want=$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "== setting up .venv: CPU PyTorch 2.13.0, JAX, MPICH + mpi4py, portddp (a minute or two) =="
+  "$python" -m venv .venv
+  # The pinned CPU build first: a bare torch requirement can resolve a CUDA build of several GB.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+export PATH="$PWD/.venv/bin:$PATH"
+
+task=${1:-}
+[ $# -gt 0 ] && shift
+case "$task" in
+  demo) exec mpirun -n 2 python -m experiments.torch_ddp "$@" ;;
+  test) exec python -m pytest "$@" ;;
+  *) echo "usage: bash scripts/bootstrap.sh {demo|test} [args...]" >&2; exit 2 ;;
+esac

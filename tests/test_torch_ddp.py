@@ -1,0 +1,128 @@
+"""portddp.torch against native DDP, a single process, numpy, and its own events.
+
+The worker (tests/workers/torch_equivalence.py) runs every scenario under
+`mpirun -n K`; each rank writes one JSON line per scenario, asserted here."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests import mpi
+
+TRANSPORTS = ("c10d", "mpi")
+VS_NATIVE = ("plain", "no_sync", "unused", "batchnorm", "grad_as_bucket_view")
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"n{n}")
+def results(request, tmp_path_factory):
+    n = request.param
+    out = tmp_path_factory.mktemp(f"torch_n{n}")
+    proc = mpi.run(None if n == 1 else n, "tests.workers.torch_equivalence", env={"PORTDDP_RESULTS": str(out)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for r in range(n):
+        for line in (out / f"rank{r}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            rows[row["scenario"], row["rank"]] = row
+    return n, rows
+
+
+def each_rank(results, scenario):
+    n, rows = results
+    got = [rows.get((scenario, r)) for r in range(n)]
+    assert all(got), f"{scenario}: missing from ranks {[r for r, g in enumerate(got) if g is None]}"
+    return n, got
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("scenario", VS_NATIVE)
+def test_equals_native_ddp(results, scenario, transport):
+    """5 SGD-momentum steps: bitwise at n<=2 (a sum of two is order-free), 2e-5 at n=3."""
+    n, rows = each_rank(results, f"{scenario}/{transport}")
+    for row in rows:
+        if n <= 2:
+            assert row["bitwise"], row
+        else:
+            assert row["max_diff"] <= 2e-5, row
+        assert row["rebuilt"], row
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_float64_matches_one_process_on_the_global_batch(results, transport):
+    _, rows = each_rank(results, f"float64_global_batch/{transport}")
+    for row in rows:
+        assert row["max_rel"] <= 1e-10, row
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("hook", ["fp16_compress_hook", "bf16_compress_hook"])
+def test_compression_hooks_match_numpy(results, hook, transport):
+    """cast -> divide -> sum -> cast back, computed with numpy from every rank's local gradient.
+    Exact for two addends; with three the ring may add in another order: one ulp of the half type."""
+    n, rows = each_rank(results, f"hook_{hook}/{transport}")
+    eps = {"fp16_compress_hook": 2.0**-10, "bf16_compress_hook": 2.0**-7}[hook]
+    for row in rows:
+        assert row["max_diff"] <= (0.0 if n <= 2 else eps * row["scale"]), row
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_allreduce_and_noop_hooks(results, transport):
+    n, rows = each_rank(results, f"hook_allreduce_hook/{transport}")
+    assert all(r["max_diff"] <= (0.0 if n <= 2 else 1e-7) for r in rows), rows
+    _, rows = each_rank(results, f"hook_noop_hook/{transport}")
+    assert all(r["max_diff"] == 0.0 for r in rows), rows  # local gradients, untouched
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_buckets_overlap_backward_only_when_asked(results, transport):
+    n, on = each_rank(results, f"overlap_True/{transport}")
+    _, off = each_rank(results, f"overlap_False/{transport}")
+    for row in on:
+        assert row["buckets"] >= 2 and row["ordered"], row
+        assert row["first_launch_before_backward_end"], row
+    for row in off:
+        assert not row["any_launch_before_backward_end"] and row["ordered"], row
+        assert row["overlap_ratio"] == 0.0, row
+
+
+# --------------------------------------------------------------- bad input
+BAD = [
+    ("shape_mismatch", TRANSPORTS, r"parameter #2 is '1\.weight' \(8, 8\) float32 on rank 0 but '1\.weight' \(9, 8\)"),
+    ("count_mismatch", TRANSPORTS, r"rank 0 has 4 trainable parameters, rank \d has 6; the first one only rank \d has is '2\.weight'"),
+    ("unused_some_ranks", TRANSPORTS, r"no gradient .*'branch\.weight' \(on 1 of \d ranks\).*find_unused_parameters=True"),
+    ("unused_all_ranks", TRANSPORTS, r"no gradient .*'branch\.weight' \(on (\d) of \1 ranks\).*find_unused_parameters=True"),
+    ("bad_cap=0", ("c10d",), r"bucket_cap_mb=0\.0 is not a valid bucket size: pass a number of megabytes > 0"),
+    ("bad_cap=-1", ("mpi",), r"bucket_cap_mb=-1\.0 is not a valid bucket size"),
+    ("bad_first_cap=big", ("c10d",), r"first_bucket_cap_mb='big' is not a valid bucket size"),
+    ("unknown_transport", ("c10d",), r"unknown transport 'carrier-pigeon': choose one of \('c10d', 'mpi'\)"),
+    ("world_size", ("c10d",), r"portddp\.init\(world_size=\d\) but the launcher \(mpirun\) started \d process\(es\): launch with `mpirun -n"),
+    ("process_group_mismatch", ("c10d",), r"a c10d process group already exists with rank 0 of 1, but the launcher \(mpirun\) says rank \d of \d"),
+]
+
+
+@pytest.mark.parametrize(
+    "case,transport,pattern,n",
+    [(c, t, p, 2) for c, ts, p in BAD for t in ts]
+    + [("unused_some_ranks", "mpi", r"no gradient .*'branch\.weight' \(on 2 of 3 ranks\)", 3)],
+)
+def test_bad_input_fails_on_every_rank(case, transport, pattern, n):
+    proc = mpi.run(n, "tests.workers.torch_bad_input", case, transport, timeout=120)
+    errors = dict(re.findall(r"PORTDDP_ERROR rank=(\d+) (.*)", proc.stdout))
+    assert sorted(errors) == [str(r) for r in range(n)], proc.stdout + proc.stderr[-2000:]
+    for rank, message in errors.items():
+        assert re.search(pattern, message), f"rank {rank}: {message}"
+
+
+def test_demo_runs_and_agrees_with_native(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = mpi.run(2, "experiments.torch_ddp", "--width", "64", "--depth", "3", "--warmup", "1", "--rounds", "1",
+                   "--steps-per-round", "3", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    payload = json.loads(out.read_text())
+    for impl in ("portddp-c10d", "portddp-mpi"):
+        assert payload["results"][impl]["max_param_diff_vs_native"] == 0.0
+        assert payload["results"][impl]["ranks_identical"]
+    assert "portddp-c10d_vs_native=" in proc.stdout.splitlines()[-1]

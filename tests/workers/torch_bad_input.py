@@ -1,0 +1,93 @@
+"""Bad input for portddp.torch: each case must fail on *every* rank with a clear
+message, never hang. Run by tests/test_torch_ddp.py:
+
+    mpirun -n 2 python -m tests.workers.torch_bad_input CASE TRANSPORT
+
+Every rank prints `PORTDDP_ERROR rank=<r> <message>` and exits 3, or
+`PORTDDP_NO_ERROR rank=<r>` and exits 0 if nothing was raised.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+import portddp
+from portddp.launch import detect
+from portddp.torch import DistributedDataParallel
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, use_branch):
+        h = torch.relu(self.fc(x))
+        if use_branch:
+            h = self.branch(h)
+        return self.head(h)
+
+
+def run(case: str, transport: str) -> None:
+    if case == "world_size":
+        portddp.init(world_size=detect().size + 3)
+        return
+    if case == "process_group_mismatch":
+        # A c10d group of one per process, made before portddp.init() looks.
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from portddp.launch import _free_port  # noqa: PLC0415
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        portddp.init()
+        return
+    w = portddp.init()
+    last = w.rank == w.size - 1
+    if case == "shape_mismatch":
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 9 if last else 8))
+        DistributedDataParallel(model, transport=transport)
+    elif case == "count_mismatch":
+        layers = [nn.Linear(8, 8) for _ in range(3 if last else 2)]
+        DistributedDataParallel(nn.Sequential(*layers), transport=transport)
+    elif case in ("unused_some_ranks", "unused_all_ranks"):
+        ddp = DistributedDataParallel(Branchy(), bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002,
+                                      transport=transport)
+        use = case == "unused_some_ranks" and w.rank == 0
+        ddp(torch.randn(4, 8), use_branch=use).sum().backward()
+    elif case.startswith("bad_cap="):
+        DistributedDataParallel(nn.Linear(4, 4), bucket_cap_mb=_literal(case.split("=", 1)[1]), transport=transport)
+    elif case.startswith("bad_first_cap="):
+        DistributedDataParallel(nn.Linear(4, 4), first_bucket_cap_mb=_literal(case.split("=", 1)[1]),
+                                transport=transport)
+    elif case == "unknown_transport":
+        DistributedDataParallel(nn.Linear(4, 4), transport="carrier-pigeon")
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+
+
+def _literal(text):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def main():
+    case, transport = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "c10d")
+    rank = detect().rank
+    try:
+        run(case, transport)
+    except Exception as e:  # the message is what is under test
+        sys.stdout.write(f"PORTDDP_ERROR rank={rank} {type(e).__name__}: {e}\n")
+        sys.stdout.flush()
+        sys.exit(3)
+    print(f"PORTDDP_NO_ERROR rank={rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Multi-rank checks of portddp.torch, run by tests/test_torch_ddp.py:
+
+    mpirun -n 2 python -m tests.workers.torch_equivalence
+
+Each rank writes one JSON line per scenario (see `report`); the pytest side
+asserts on them. Scenarios train the same model from the same weights on the
+same per-rank data with native DDP and with portddp.torch, and report the
+largest parameter difference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import portddp
+from portddp.data import global_batch, regression_batch
+from portddp.torch import (DistributedDataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
+                           noop_hook)
+
+CAP_MB = 0.004  # ~4 KB buckets: several buckets even for these small models
+IN, OUT, BATCH, STEPS = 16, 4, 8, 5
+
+
+class Net(nn.Module):
+    """A small MLP, optionally with BatchNorm and a branch that is not always used."""
+
+    def __init__(self, batchnorm=False, branch=False):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, 32)
+        self.bn = nn.BatchNorm1d(32) if batchnorm else None
+        self.fc2 = nn.Linear(32, 32)
+        self.branch = nn.Linear(32, 32) if branch else None
+        self.never = nn.Linear(32, 32) if branch else None  # unused on every rank
+        self.head = nn.Linear(32, OUT)
+
+    def forward(self, x, use_branch=False):
+        h = torch.relu(self.fc1(x))
+        if self.bn is not None:
+            h = self.bn(h)
+        h = torch.relu(self.fc2(h))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+def make(dtype=torch.float32, **kw):
+    torch.manual_seed(1234)
+    return Net(**kw).to(dtype)
+
+
+def batch(step, rank, dtype):
+    x, y = regression_batch(7, step, rank, BATCH, IN, OUT, dtype="float64")
+    return torch.from_numpy(x).to(dtype), torch.from_numpy(y).to(dtype)
+
+
+def train(wrapped, model, rank, *, micro=1, branch=False, dtype=torch.float32, steps=STEPS):
+    """SGD with momentum; `micro` > 1 accumulates micro-1 local backward passes under no_sync."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = batch(step * micro + m, rank, dtype)
+            use = branch and (rank + step) % 2 == 0  # used on some ranks only
+            sync_ctx = wrapped.no_sync() if m < micro - 1 else _null()
+            with sync_ctx:
+                nn.functional.mse_loss(wrapped(x, use_branch=use), y).backward()
+        opt.step()
+    return model
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> tuple[float, bool]:
+    pa = [t.detach() for t in list(a.parameters()) + list(a.buffers())]
+    pb = [t.detach() for t in list(b.parameters()) + list(b.buffers())]
+    diff = max(((x.double() - y.double()).abs().max().item() for x, y in zip(pa, pb)), default=0.0)
+    return diff, all(torch.equal(x, y) for x, y in zip(pa, pb))
+
+
+def report(name, **fields):
+    """One JSON line per scenario into $PORTDDP_RESULTS/rank<r>.jsonl (stdout without it)."""
+    line = json.dumps({"scenario": name, "rank": dist.get_rank(), **fields})
+    out = os.environ.get("PORTDDP_RESULTS")
+    if out:
+        with open(os.path.join(out, f"rank{dist.get_rank()}.jsonl"), "a") as f:
+            f.write(line + "\n")
+    else:
+        print(line, flush=True)
+
+
+def vs_native(name, transport, rank, *, model_kw=None, ddp_kw=None, train_kw=None):
+    model_kw, ddp_kw, train_kw = model_kw or {}, ddp_kw or {}, train_kw or {}
+    native_model, ours_model = make(**model_kw), make(**model_kw)
+    native = nn.parallel.DistributedDataParallel(native_model, bucket_cap_mb=CAP_MB, **ddp_kw)
+    ours = DistributedDataParallel(ours_model, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB,
+                                   transport=transport, **ddp_kw)
+    train(native, native_model, rank, **train_kw)
+    train(ours, ours_model, rank, **train_kw)
+    diff, equal = max_diff(native_model, ours_model)
+    report(f"{name}/{transport}", max_diff=diff, bitwise=equal, buckets=len(ours.bucket_plan.buckets),
+           rebuilt=ours.stats()["plan_rebuilt"])
+
+
+def float64_vs_single_process(transport, rank, world):
+    model = make(torch.float64)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB, transport=transport)
+    train(ddp, model, rank, dtype=torch.float64)
+    ref = make(torch.float64)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        x, y = global_batch(regression_batch, world, 7, step, batch=BATCH, in_dim=IN, out_dim=OUT, dtype="float64")
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        opt.step()
+    rel = max(((a - b).abs().max() / max(1.0, b.abs().max().item())).item()
+              for a, b in zip(model.parameters(), ref.parameters()))
+    report(f"float64_global_batch/{transport}", max_rel=rel)
+
+
+def hooks_vs_numpy(transport, rank, world):
+    """One backward with each compression hook against cast -> divide -> sum -> cast back in numpy."""
+    x, y = batch(0, rank, torch.float32)
+    local = make()
+    nn.functional.mse_loss(local(x), y).backward()
+    mine = [p.grad.numpy().copy() for p in local.parameters()]
+    everyone = [[np.asarray(g) for g in grads] for grads in _allgather(mine)]
+    for hook, np_dtype in ((fp16_compress_hook, np.float16), (bf16_compress_hook, ml_dtypes.bfloat16)):
+        model = make()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB, transport=transport)
+        ddp.register_comm_hook(None, hook)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        worst = scale = 0.0
+        for k, p in enumerate(model.parameters()):
+            acc = None
+            for r in range(world):  # the ring order does not matter for 2 addends; for 3 it may
+                term = everyone[r][k].astype(np_dtype) / np_dtype(world)
+                acc = term if acc is None else (acc + term).astype(np_dtype)
+            worst = max(worst, float(np.abs(acc.astype(np.float32) - p.grad.numpy()).max()))
+            scale = max(scale, float(np.abs(acc.astype(np.float32)).max()))
+        report(f"hook_{hook.__name__}/{transport}", max_diff=worst, scale=scale)
+    for hook in (allreduce_hook, noop_hook):
+        model = make()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB, transport=transport)
+        ddp.register_comm_hook(None, hook)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if hook is noop_hook:
+            want = mine
+        else:
+            want = [sum(everyone[r][k] / np.float32(world) for r in range(world)) for k in range(len(mine))]
+        worst = max(float(np.abs(w - p.grad.numpy()).max()) for w, p in zip(want, model.parameters()))
+        report(f"hook_{hook.__name__}/{transport}", max_diff=worst)
+
+
+def _allgather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def overlap_events(transport, rank):
+    """From the recorded events: does the first launch precede the end of backward?"""
+    for overlap in (True, False):
+        model = make()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB,
+                                      transport=transport, overlap=overlap)
+        train(ddp, model, rank, steps=3)
+        ev = ddp.stats()["events"]
+        launches = [b.launch_ns for b in ev.buckets]
+        report(f"overlap_{overlap}/{transport}", first_launch_before_backward_end=min(launches) < ev.backward_end_ns,
+               any_launch_before_backward_end=any(t < ev.backward_end_ns for t in launches),
+               buckets=len(launches), overlap_ratio=ddp.stats()["overlap_ratio"],
+               ordered=all(a.launch_ns <= b.launch_ns for a, b in zip(ev.buckets, ev.buckets[1:])))
+
+
+def main():
+    w = portddp.init()
+    transports = sys.argv[1:] or ["c10d", "mpi"]
+    for transport in transports:
+        vs_native("plain", transport, w.rank)
+        vs_native("no_sync", transport, w.rank, train_kw={"micro": 3})
+        vs_native("unused", transport, w.rank, model_kw={"branch": True},
+                  ddp_kw={"find_unused_parameters": True}, train_kw={"branch": True})
+        vs_native("batchnorm", transport, w.rank, model_kw={"batchnorm": True})
+        vs_native("grad_as_bucket_view", transport, w.rank, ddp_kw={"gradient_as_bucket_view": True},
+                  train_kw={"micro": 2})
+        float64_vs_single_process(transport, w.rank, w.size)
+        hooks_vs_numpy(transport, w.rank, w.size)
+        overlap_events(transport, w.rank)
+
+
+if __name__ == "__main__":
+    main()
