@@ -21,7 +21,6 @@ import datetime
 import ipaddress
 import os
 import socket
-import sys
 
 __all__ = ["World", "detect", "init", "world", "mpi_comm", "DEFAULT_TIMEOUT_S"]
 
@@ -214,9 +213,3 @@ def _init_c10d(w: World, backend: str, timeout_s: float) -> None:
         world_size=w.size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-
-
-def log0(*args, **kwargs) -> None:
-    """print() on rank 0 only."""
-    if world().rank == 0:
-        print(*args, **kwargs, file=kwargs.pop("file", sys.stdout), flush=True)

@@ -1,0 +1,57 @@
+"""World detection and init() without a launcher, under torchrun-style env, and the NCCL path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from portddp.launch import World, detect
+from tests import mpi
+
+
+def test_alone_is_a_world_of_one(monkeypatch):
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert detect() == World(0, 1, 0, 1, "none")
+
+
+def test_torchrun_environment(monkeypatch):
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert detect() == World(3, 4, 1, 2, "torchrun")
+
+
+def test_mpirun_world_and_rendezvous():
+    code = ("import portddp, torch.distributed as d; w = portddp.init(); "
+            "print('WORLD', w.rank, w.size, w.launcher, d.get_rank(), d.get_world_size(), torch_threads())")
+    code = code.replace("torch_threads()", "__import__('torch').get_num_threads()")
+    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=120)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("WORLD"))
+    assert len(lines) == 2, proc.stdout + proc.stderr
+    for r, line in enumerate(lines):
+        _, rank, size, launcher, c10d_rank, c10d_size, threads = line.split()
+        assert (int(rank), int(size), launcher, int(c10d_rank), int(c10d_size)) == (r, 2, "mpirun", r, 2)
+        assert int(threads) >= 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_nccl_without_cuda_says_so():
+    code = "import portddp; portddp.init(backend='nccl')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "backend='nccl' needs CUDA" in proc.stderr and "use backend='gloo'" in proc.stderr
+
+
+def test_unknown_backend():
+    import portddp  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="unknown backend 'mpi-ish'"):
+        portddp.init(backend="mpi-ish", torch_distributed=False)
