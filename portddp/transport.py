@@ -108,9 +108,12 @@ class MPITransport:
             except BaseException as e:  # handed to whoever waits
                 handle._error = e
             handle.done_ns = time.perf_counter_ns()
-            handle._event.set()
             if handle._on_done is not None:
-                handle._on_done(handle)
+                try:  # before the event: a waiter must see what on_done writes
+                    handle._on_done(handle)
+                except BaseException as e:
+                    handle._error = handle._error or e
+            handle._event.set()
 
     def _submit(self, job, on_done=None) -> Handle:
         if self._thread is None:

@@ -1,0 +1,368 @@
+"""DistributedDataParallel for JAX parameter pytrees: the DDP design, functionally.
+
+Mirrors portddp/torch/ddp.py. What JAX forces to differ:
+
+* There are no per-parameter autograd hooks. Instead each bucket's parameters
+  pass through a `jax.custom_vjp` identity (a "tap") on their way into the
+  loss. Its backward rule receives the bucket's gradients the moment XLA has
+  produced them and hands them to the host with `io_callback`: the callback
+  packs them (divided by the world size) into the bucket's flat buffer and
+  launches the all-reduce on the MPI transport's comm thread, while XLA goes on
+  with the rest of the backward pass. A bucket arrives whole, so "ready" needs
+  no per-parameter counting.
+* Gradients are values, not `.grad` fields: `value_and_grad` returns them after
+  waiting for every bucket, in the input pytree structure.
+* Every parameter gets a gradient (zeros if unused), so there is no
+  `find_unused_parameters`; `sync=False` plays the role of `no_sync()`.
+
+strategy="hooked" is the above. (The "compiled" and "pmap" strategies, which
+leave scheduling to XLA, arrive with issue 3's second half.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from portddp.buckets import Bucket, BucketPlan, ParamSpec, cap_bytes, plan_buckets
+from portddp.timeline import BucketEvents, IterationEvents
+from portddp.transport import get_transport
+
+__all__ = ["DistributedDataParallel", "GradBucket", "STRATEGIES"]
+
+STRATEGIES = ("hooked",)
+TRANSPORTS = ("mpi",)
+_now = time.perf_counter_ns
+
+
+class GradBucket:
+    """What a comm hook sees: one bucket's flat numpy buffer and how to reduce it."""
+
+    def __init__(self, index: int, buffer: np.ndarray, names: list[str], num_buckets: int, transport):
+        self._index = index
+        self._buffer = buffer
+        self._names = names
+        self._is_last = index == num_buckets - 1
+        self._transport = transport
+        self.world_size = transport.size
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> np.ndarray:
+        return self._buffer
+
+    def parameters(self) -> list[str]:
+        return list(self._names)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def allreduce(self, array: np.ndarray, on_done=None):
+        """Sum `array` in place over all ranks on the comm thread; returns a Handle at once."""
+        return self._transport.allreduce(array, on_done=on_done)
+
+
+class DistributedDataParallel:
+    """Data-parallel gradients for a parameter pytree (or a Flax NNX state).
+
+    Args:
+        params: the pytree whose structure, shapes and dtypes define the plan.
+        bucket_cap_mb, first_bucket_cap_mb: as in portddp.torch.
+        strategy: "hooked" (custom_vjp taps + MPI comm thread).
+        transport: "mpi".
+        overlap: False launches every bucket after backward (the baseline).
+        order: parameter names (jax.tree_util.keystr of each leaf path) in
+            registration order; default: the pytree's leaf order. Give the twin
+            PyTorch model's order to get its identical plan.
+    """
+
+    def __init__(self, params, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
+                 strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}: portddp.jax supports {TRANSPORTS}")
+        cap_bytes(bucket_cap_mb, "bucket_cap_mb")
+        cap_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
+        self.strategy, self.transport, self.overlap = strategy, transport, overlap
+        self.bucket_cap_mb, self.first_bucket_cap_mb = bucket_cap_mb, first_bucket_cap_mb
+
+        paths, self._treedef = jax.tree_util.tree_flatten_with_path(params)
+        self._names = [jax.tree_util.keystr(p) for p, _ in paths]
+        leaves = [leaf for _, leaf in paths]
+        if not leaves:
+            raise ValueError("DistributedDataParallel needs a pytree with at least one array leaf")
+        self._specs = [ParamSpec(n, tuple(np.shape(x)), jnp.dtype(x).name) for n, x in zip(self._names, leaves)]
+        self._transport = get_transport()
+        self.world_size, self.rank = self._transport.size, self._transport.rank
+        self._inv_world = 1.0 / self.world_size
+        self._verify_same_params(self._specs)
+
+        registration = self._registration_order(order)
+        ordered = [self._specs[i] for i in registration]
+        plan = plan_buckets(ordered, bucket_cap_mb, first_bucket_cap_mb)
+        # Re-express the plan over leaf indices (the pytree's own order).
+        self._install_plan(_reindex(plan, registration, tuple(self._specs)))
+        self._hook = None
+        self._hook_state = None
+        self._lock = threading.Lock()
+        self._last_events: IterationEvents | None = None
+        self._iterations = 0
+
+    # ------------------------------------------------------------------ setup
+    def _registration_order(self, order) -> list[int]:
+        if order is None:
+            return list(range(len(self._names)))
+        index = {n: i for i, n in enumerate(self._names)}
+        unknown = [n for n in order if n not in index]
+        if unknown or len(order) != len(index) or len(set(order)) != len(order):
+            missing = sorted(set(index) - set(order))
+            raise ValueError(
+                f"order must list every parameter name exactly once; unknown: {unknown[:5]}, "
+                f"missing: {missing[:5]} (names are jax.tree_util.keystr of the leaf paths, e.g. {self._names[0]!r})"
+            )
+        return [index[n] for n in order]
+
+    def _verify_same_params(self, specs: list[ParamSpec]) -> None:
+        """Compare every rank's leaves with rank 0's; name the first differing key path."""
+        mine = [(s.name, s.shape, s.dtype) for s in specs]
+        everyone = self._transport.allgather_object(mine)
+        ref = everyone[0]
+        for r, theirs in enumerate(everyone[1:], start=1):
+            for k, (a, b) in enumerate(zip(ref, theirs)):
+                if a != b:
+                    raise ValueError(
+                        f"parameter pytrees differ across ranks: leaf #{k} is {a[0]} {a[1]} {a[2]} on rank 0 but "
+                        f"{b[0]} {b[1]} {b[2]} on rank {r}; every rank must build the same parameters"
+                    )
+            if len(ref) != len(theirs):
+                longer, r_long = (ref, 0) if len(ref) > len(theirs) else (theirs, r)
+                raise ValueError(
+                    f"parameter pytrees differ across ranks: rank 0 has {len(ref)} leaves, rank {r} has "
+                    f"{len(theirs)}; the first one only rank {r_long} has is {longer[min(len(ref), len(theirs))][0]}"
+                )
+
+    def _install_plan(self, plan: BucketPlan) -> None:
+        self._plan = plan
+        self._buffers = [np.zeros(b.numel, dtype=jnp.dtype(b.dtype)) for b in plan.buckets]
+        self._grad_buckets = [
+            GradBucket(b, buf, [self._names[i] for i in plan.buckets[b].params], len(plan.buckets), self._transport)
+            for b, buf in enumerate(self._buffers)
+        ]
+        self._taps = [self._make_tap(b) for b in range(len(plan.buckets))]
+
+    @property
+    def bucket_plan(self) -> BucketPlan:
+        return self._plan
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> Handle` (see portddp.jax.hooks).
+        Gradients then reach the bucket undivided; the hook divides."""
+        if self._hook is not None:
+            raise RuntimeError("a comm hook is already registered; register_comm_hook can be called only once")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket) -> Handle; got {hook!r}")
+        self._hook, self._hook_state = hook, state
+
+    # ------------------------------------------------------------- broadcast
+    def broadcast(self, params):
+        """Rank 0's values of `params` on every rank (same structure, shapes, dtypes checked)."""
+        leaves = self._leaves_of(params)
+        for b, bucket in enumerate(self._plan.buckets):
+            self._pack(b, leaves, divide=False)
+            if self.world_size > 1:
+                self._transport.broadcast(self._buffers[b], root=0).wait()
+        return self._unpack()
+
+    def _leaves_of(self, tree) -> list:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self._treedef:
+            raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
+                             f" got {treedef}, expected {self._treedef}")
+        for spec, leaf in zip(self._specs, leaves):
+            if tuple(np.shape(leaf)) != spec.shape or jnp.dtype(leaf).name != spec.dtype:
+                raise ValueError(f"leaf {spec.name} is {np.shape(leaf)} {jnp.dtype(leaf).name}; "
+                                 f"expected {spec.shape} {spec.dtype}")
+        return leaves
+
+    def _pack(self, b: int, leaves, divide: bool) -> None:
+        """Copy the bucket's leaves into its flat buffer, divided by the world size if asked."""
+        buf, bucket = self._buffers[b], self._plan.buckets[b]
+        for i, off in zip(bucket.params, bucket.offsets):
+            dst = buf[off:off + self._specs[i].numel]
+            src = np.asarray(leaves[i]).reshape(-1)
+            if divide:
+                np.multiply(src, self._inv_world, out=dst, casting="unsafe")
+            else:
+                dst[...] = src
+
+    def _unpack(self):
+        """A new pytree of jax arrays holding the buffers' contents."""
+        out = [None] * len(self._specs)
+        for buf, bucket in zip(self._buffers, self._plan.buckets):
+            for i, off in zip(bucket.params, bucket.offsets):
+                spec = self._specs[i]
+                # Copy: the buffer is reused by the next iteration.
+                out[i] = jnp.array(buf[off:off + spec.numel].reshape(spec.shape), copy=True)
+        return jax.tree_util.tree_unflatten(self._treedef, out)
+
+    # --------------------------------------------------------------- backward
+    def _make_tap(self, b: int):
+        """Identity on bucket b's parameters whose backward launches bucket b."""
+
+        @jax.custom_vjp
+        def tap(leaves):
+            return leaves
+
+        def fwd(leaves):
+            return leaves, None
+
+        def bwd(_, grads):
+            io_callback(lambda *g: self._bucket_ready(b, g), jax.ShapeDtypeStruct((), jnp.int32), *grads,
+                        ordered=False)
+            return (grads,)
+
+        tap.defvjp(fwd, bwd)
+        return tap
+
+    def _loss_tap(self):
+        """Identity on the loss; its backward records the end of forward."""
+
+        @jax.custom_vjp
+        def tap(loss):
+            return loss
+
+        def fwd(loss):
+            return loss, loss
+
+        def bwd(loss, g):
+            # The loss is an argument so the callback cannot run before forward is done.
+            io_callback(self._forward_done, jax.ShapeDtypeStruct((), jnp.int32), loss, ordered=False)
+            return (g,)
+
+        tap.defvjp(fwd, bwd)
+        return tap
+
+    def _forward_done(self, _loss):
+        self._events.forward_end_ns = _now()
+        return np.int32(0)
+
+    def _bucket_ready(self, b: int, grads) -> np.int32:
+        """Host side of bucket b's tap: pack, mark ready, launch what the plan order allows."""
+        now = _now()
+        bucket = self._plan.buckets[b]
+        leaves = dict(zip(bucket.params, grads))
+        self._pack(b, leaves, divide=self._hook is None)
+        with self._lock:  # XLA may run independent callbacks on different threads
+            self._events.buckets[b].ready_ns = now
+            self._events.backward_end_ns = max(self._events.backward_end_ns, now)
+            self._ready[b] = True
+            if self.overlap:
+                self._launch_ready_buckets()
+        return np.int32(0)
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self._buffers) and self._ready[self._next_launch]:
+            self._launch(self._next_launch)
+            self._next_launch += 1
+
+    def _launch(self, b: int) -> None:
+        ev = self._events.buckets[b]
+        ev.launch_ns = _now()
+        if self.world_size == 1 and self._hook is None:
+            self._handles[b] = None
+            ev.done_ns = ev.launch_ns
+            return
+        if self._hook is None:
+            self._handles[b] = self._transport.allreduce(self._buffers[b])
+        else:
+            self._handles[b] = self._hook(self._hook_state, self._grad_buckets[b])
+
+    def _begin_iteration(self) -> None:
+        n = len(self._buffers)
+        self._ready = [False] * n
+        self._next_launch = 0
+        self._handles: list = [None] * n
+        self._events = IterationEvents(
+            rank=self.rank, forward_start_ns=_now(),
+            buckets=[BucketEvents(b, buf.nbytes) for b, buf in enumerate(self._buffers)])
+
+    def _finalize(self):
+        """After the computation: launch the rest, wait in plan order, return the mean gradients."""
+        with self._lock:
+            missing = [b for b, r in enumerate(self._ready) if not r]
+            if missing:
+                raise RuntimeError(f"buckets {missing} never received their gradients: was the loss computed "
+                                   "with the params passed to the gradient function?")
+            self._launch_ready_buckets()
+        for b, handle in enumerate(self._handles):
+            if handle is not None:
+                handle.wait()
+                self._events.buckets[b].done_ns = handle.done_ns
+        self._events.finalize_end_ns = _now()
+        self._last_events = self._events
+        self._iterations += 1
+        return self._unpack()
+
+    def value_and_grad(self, loss_fn):
+        """`grad_fn(params, batch, sync=True) -> (loss, grads)`: grads are the mean over
+        ranks (sync=True) or this rank's own (sync=False, to accumulate and `reduce` later)."""
+        loss_tap = self._loss_tap()
+
+        def tapped(params, batch):
+            leaves = list(jax.tree_util.tree_leaves(params))
+            for b, bucket in enumerate(self._plan.buckets):
+                tapped_leaves = self._taps[b]([leaves[i] for i in bucket.params])
+                for i, leaf in zip(bucket.params, tapped_leaves):
+                    leaves[i] = leaf
+            return loss_tap(loss_fn(jax.tree_util.tree_unflatten(self._treedef, leaves), batch))
+
+        synced = jax.jit(jax.value_and_grad(tapped))
+        local = jax.jit(jax.value_and_grad(loss_fn))
+
+        def grad_fn(params, batch, sync: bool = True):
+            if not sync:
+                return local(params, batch)
+            self._begin_iteration()
+            loss, local_grads = synced(params, batch)
+            jax.block_until_ready(local_grads)  # every tap's callback has run
+            return loss, self._finalize()
+
+        return grad_fn
+
+    def reduce(self, grads):
+        """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order."""
+        leaves = self._leaves_of(grads)
+        self._begin_iteration()
+        for b in range(len(self._buffers)):
+            self._pack(b, leaves, divide=self._hook is None)
+            with self._lock:
+                self._ready[b] = True
+                self._launch_ready_buckets()
+        return self._finalize()
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """DESIGN.md metrics of the last synchronised iteration, plus its events."""
+        if self._last_events is None:
+            return {}
+        ev = self._last_events
+        return ev.metrics() | {
+            "iteration_time": (ev.finalize_end_ns - ev.forward_start_ns) * 1e-9,
+            "num_buckets": len(ev.buckets),
+            "iterations": self._iterations,
+            "events": ev,
+        }
+
+
+def _reindex(plan: BucketPlan, registration: list[int], specs: tuple[ParamSpec, ...]) -> BucketPlan:
+    """The same buckets, with param indices into the leaf list instead of the registration list."""
+    buckets = tuple(Bucket(tuple(registration[p] for p in b.params), b.offsets, b.numel, b.dtype, b.device,
+                           b.cap_bytes) for b in plan.buckets)
+    return BucketPlan(specs, buckets)
