@@ -21,6 +21,7 @@ import datetime
 import ipaddress
 import os
 import socket
+import sys
 
 __all__ = ["World", "detect", "init", "world", "mpi_comm", "DEFAULT_TIMEOUT_S"]
 
@@ -141,11 +142,18 @@ def rendezvous_address(w: World) -> tuple[str, int]:
 
 
 def _pin_threads(w: World, num_threads: int | None) -> int:
+    """Give each rank its share of the cores, in torch and (if not yet imported) in XLA."""
     import torch  # noqa: PLC0415
 
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // max(1, w.local_size))
     torch.set_num_threads(num_threads)
+    if num_threads == 1 and "jax" not in sys.modules:
+        # XLA reads its flags when its CPU client starts: one Eigen thread per rank.
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_cpu_multi_thread_eigen" not in flags:
+            os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false"
+                                       " intra_op_parallelism_threads=1").strip()
     return num_threads
 
 

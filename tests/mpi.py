@@ -33,3 +33,36 @@ def run(n: int | None, module: str, *args: str, timeout: float = 240, env: dict 
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s (a hang?)\n{out[-3000:]}")
+
+
+def collect(n: int, module: str, out: Path) -> dict:
+    """Run a results-writing worker on n ranks (plain python for n=1); return
+    {(scenario, rank): row} from the JSON lines every rank wrote."""
+    import json  # noqa: PLC0415
+
+    proc = run(None if n == 1 else n, module, env={"PORTDDP_RESULTS": str(out)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for r in range(n):
+        for line in (out / f"rank{r}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            rows[row["scenario"], row["rank"]] = row
+    return rows
+
+
+def each_rank(results, scenario: str):
+    """(n, [row of rank 0, row of rank 1, ...]) for one scenario; all ranks must have reported."""
+    n, rows = results
+    got = [rows.get((scenario, r)) for r in range(n)]
+    assert all(got), f"{scenario}: missing from ranks {[r for r, g in enumerate(got) if g is None]}"
+    return n, got
+
+
+def errors_on_every_rank(proc, n: int, pattern: str) -> None:
+    """Every rank printed `PORTDDP_ERROR rank=<r> <message>` and the message matches."""
+    import re  # noqa: PLC0415
+
+    errors = dict(re.findall(r"PORTDDP_ERROR rank=(\d+) (.*)", proc.stdout))
+    assert sorted(errors) == [str(r) for r in range(n)], proc.stdout + proc.stderr[-2000:]
+    for rank, message in errors.items():
+        assert re.search(pattern, message), f"rank {rank}: {message}"

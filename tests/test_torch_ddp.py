@@ -6,7 +6,6 @@ The worker (tests/workers/torch_equivalence.py) runs every scenario under
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -19,22 +18,10 @@ VS_NATIVE = ("plain", "no_sync", "unused", "batchnorm", "grad_as_bucket_view")
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"n{n}")
 def results(request, tmp_path_factory):
     n = request.param
-    out = tmp_path_factory.mktemp(f"torch_n{n}")
-    proc = mpi.run(None if n == 1 else n, "tests.workers.torch_equivalence", env={"PORTDDP_RESULTS": str(out)})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {}
-    for r in range(n):
-        for line in (out / f"rank{r}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            rows[row["scenario"], row["rank"]] = row
-    return n, rows
+    return n, mpi.collect(n, "tests.workers.torch_equivalence", tmp_path_factory.mktemp(f"torch_n{n}"))
 
 
-def each_rank(results, scenario):
-    n, rows = results
-    got = [rows.get((scenario, r)) for r in range(n)]
-    assert all(got), f"{scenario}: missing from ranks {[r for r, g in enumerate(got) if g is None]}"
-    return n, got
+each_rank = mpi.each_rank
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -110,10 +97,7 @@ BAD = [
 )
 def test_bad_input_fails_on_every_rank(case, transport, pattern, n):
     proc = mpi.run(n, "tests.workers.torch_bad_input", case, transport, timeout=120)
-    errors = dict(re.findall(r"PORTDDP_ERROR rank=(\d+) (.*)", proc.stdout))
-    assert sorted(errors) == [str(r) for r in range(n)], proc.stdout + proc.stderr[-2000:]
-    for rank, message in errors.items():
-        assert re.search(pattern, message), f"rank {rank}: {message}"
+    mpi.errors_on_every_rank(proc, n, pattern)
 
 
 def test_demo_runs_and_agrees_with_native(tmp_path):

@@ -17,6 +17,7 @@ from torch import nn
 import portddp
 from portddp.launch import detect
 from portddp.torch import DistributedDataParallel
+from tests.workers.common import run_case
 
 
 class Branchy(nn.Module):
@@ -79,14 +80,7 @@ def _literal(text):
 
 def main():
     case, transport = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "c10d")
-    rank = detect().rank
-    try:
-        run(case, transport)
-    except Exception as e:  # the message is what is under test
-        sys.stdout.write(f"PORTDDP_ERROR rank={rank} {type(e).__name__}: {e}\n")
-        sys.stdout.flush()
-        sys.exit(3)
-    print(f"PORTDDP_NO_ERROR rank={rank}", flush=True)
+    run_case(detect().rank, run, case, transport)
 
 
 if __name__ == "__main__":

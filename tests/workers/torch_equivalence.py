@@ -10,8 +10,6 @@ largest parameter difference.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import ml_dtypes
@@ -21,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import portddp
+from tests.workers import common
 from portddp.data import global_batch, regression_batch
 from portddp.torch import (DistributedDataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
                            noop_hook)
@@ -92,14 +91,7 @@ def max_diff(a: nn.Module, b: nn.Module) -> tuple[float, bool]:
 
 
 def report(name, **fields):
-    """One JSON line per scenario into $PORTDDP_RESULTS/rank<r>.jsonl (stdout without it)."""
-    line = json.dumps({"scenario": name, "rank": dist.get_rank(), **fields})
-    out = os.environ.get("PORTDDP_RESULTS")
-    if out:
-        with open(os.path.join(out, f"rank{dist.get_rank()}.jsonl"), "a") as f:
-            f.write(line + "\n")
-    else:
-        print(line, flush=True)
+    common.report(dist.get_rank(), name, **fields)
 
 
 def vs_native(name, transport, rank, *, model_kw=None, ddp_kw=None, train_kw=None):

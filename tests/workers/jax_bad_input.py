@@ -1,0 +1,46 @@
+"""Bad input for portddp.jax: each case fails on every rank with a clear message.
+
+    mpirun -n 2 python -m tests.workers.jax_bad_input CASE
+"""
+
+from __future__ import annotations
+
+import sys
+
+import portddp
+
+WORLD = portddp.init(torch_distributed=False)
+
+import jax.numpy as jnp  # noqa: E402
+
+from portddp.jax import DistributedDataParallel  # noqa: E402
+from tests.workers.common import run_case  # noqa: E402
+
+
+def run(case: str) -> None:
+    last = WORLD.rank == WORLD.size - 1
+    params = {"enc": {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}, "dec": {"w": jnp.zeros((4, 2))}}
+    if case == "shape_mismatch":
+        if last:
+            params["dec"]["w"] = jnp.zeros((4, 3))
+        DistributedDataParallel(params)
+    elif case == "dtype_mismatch":
+        if last:
+            params["enc"]["b"] = jnp.zeros(4, jnp.bfloat16)
+        DistributedDataParallel(params)
+    elif case == "structure_mismatch":
+        if last:
+            params["extra"] = jnp.zeros(3)
+        DistributedDataParallel(params)
+    elif case == "unknown_strategy":
+        DistributedDataParallel(params, strategy="telepathy")
+    elif case == "bad_cap":
+        DistributedDataParallel(params, bucket_cap_mb=-2)
+    elif case == "bad_order":
+        DistributedDataParallel(params, order=["['enc']['w']"])
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+
+
+if __name__ == "__main__":
+    run_case(WORLD.rank, run, sys.argv[1])
