@@ -116,17 +116,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rendezvous_address(w: World) -> tuple[str, int]:
+def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
     """(address, port) of rank 0, the same on every rank.
 
-    Under mpirun rank 0 chooses and broadcasts; under torchrun the env has it."""
+    Under mpirun rank 0 chooses and broadcasts; under torchrun the env has it.
+    MASTER_PORT is used for c10d; the JAX coordinator takes MASTER_PORT + 1."""
+    offset = 0 if purpose == "c10d" else 1
     if w.launcher != "mpirun":
-        return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", _free_port()))
+        if "MASTER_PORT" not in os.environ and w.size > 1:
+            raise RuntimeError(f"{w.launcher} launch without MASTER_PORT: set MASTER_ADDR and MASTER_PORT")
+        port = int(os.environ["MASTER_PORT"]) + offset if "MASTER_PORT" in os.environ else _free_port()
+        return os.environ.get("MASTER_ADDR", "127.0.0.1"), port
     comm = mpi_comm()
     mine = None
     if w.rank == 0:
         addr = os.environ.get("MASTER_ADDR") or _reachable_address()
-        port = int(os.environ.get("MASTER_PORT") or _free_port())
+        port = int(os.environ["MASTER_PORT"]) + offset if os.environ.get("MASTER_PORT") else _free_port()
         mine = (addr, port, socket.gethostname())
     addr, port, host0 = comm.bcast(mine, root=0)
     hosts = comm.allgather(socket.gethostname())
@@ -172,6 +177,7 @@ def init(
     timeout_s: float | None = None,
     num_threads: int | None = None,
     torch_distributed: bool = True,
+    jax_distributed: bool = False,
 ) -> World:
     """Join the job: detect rank/world and initialise c10d's default group.
 
@@ -180,6 +186,8 @@ def init(
     timeout_s: collective timeout (default PORTDDP_TIMEOUT_S or 300 s).
     num_threads: torch compute threads per rank (default: cores / ranks on this host).
     torch_distributed: False skips c10d (e.g. transport="mpi" only).
+    jax_distributed: also start jax.distributed (CPU collectives over Gloo), which
+        portddp.jax's "compiled" strategy needs; call init() before any JAX computation.
     """
     global _WORLD
     w = detect()
@@ -191,10 +199,32 @@ def init(
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
     _pin_threads(w, num_threads)
+    timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
     if torch_distributed:
-        _init_c10d(w, backend or "gloo", timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
+        _init_c10d(w, backend or "gloo", timeout_s)
+    if jax_distributed:
+        _init_jax(w, timeout_s)
     _WORLD = w
     return w
+
+
+def _init_jax(w: World, timeout_s: float) -> None:
+    """One CPU device per process, all processes in one jax.distributed job."""
+    import jax  # noqa: PLC0415
+
+    if jax.distributed.is_initialized():
+        if jax.process_count() != w.size:
+            raise RuntimeError(f"jax.distributed is already initialised with {jax.process_count()} processes, "
+                               f"but the launcher ({w.launcher}) started {w.size}")
+        return
+    if w.size == 1:
+        return  # a world of one needs no coordinator
+    # The coordinator gets its own port: c10d's TCPStore may hold the first one.
+    addr, port = rendezvous_address(w, purpose="jax")
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=w.size, process_id=w.rank,
+                               initialization_timeout=int(timeout_s))
 
 
 def _init_c10d(w: World, backend: str, timeout_s: float) -> None:

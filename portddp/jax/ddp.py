@@ -15,8 +15,10 @@ Mirrors portddp/torch/ddp.py. What JAX forces to differ:
 * Every parameter gets a gradient (zeros if unused), so there is no
   `find_unused_parameters`; `sync=False` plays the role of `no_sync()`.
 
-strategy="hooked" is the above. (The "compiled" and "pmap" strategies, which
-leave scheduling to XLA, arrive with issue 3's second half.)
+strategy="hooked" is the above. strategy="compiled" and strategy="pmap" leave
+the scheduling to XLA: one psum per bucket inside the compiled step
+(portddp/jax/compiled.py), over all processes (shard_map) or over this
+process's devices (pmap).
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import numpy as np
 from jax.experimental import io_callback
 
 from portddp.buckets import Bucket, BucketPlan, ParamSpec, cap_bytes, plan_buckets
+from portddp.jax import compiled
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import get_transport
 
 __all__ = ["DistributedDataParallel", "GradBucket", "STRATEGIES"]
 
-STRATEGIES = ("hooked",)
+STRATEGIES = ("hooked", "compiled", "pmap")
 TRANSPORTS = ("mpi",)
 _now = time.perf_counter_ns
 
@@ -43,13 +46,14 @@ _now = time.perf_counter_ns
 class GradBucket:
     """What a comm hook sees: one bucket's flat numpy buffer and how to reduce it."""
 
-    def __init__(self, index: int, buffer: np.ndarray, names: list[str], num_buckets: int, transport):
+    def __init__(self, index: int, buffer: np.ndarray, names: list[str], num_buckets: int, transport,
+                 world_size: int):
         self._index = index
         self._buffer = buffer
         self._names = names
         self._is_last = index == num_buckets - 1
         self._transport = transport
-        self.world_size = transport.size
+        self.world_size = world_size
 
     def index(self) -> int:
         return self._index
@@ -74,16 +78,21 @@ class DistributedDataParallel:
     Args:
         params: the pytree whose structure, shapes and dtypes define the plan.
         bucket_cap_mb, first_bucket_cap_mb: as in portddp.torch.
-        strategy: "hooked" (custom_vjp taps + MPI comm thread).
-        transport: "mpi".
+        strategy: "hooked" (custom_vjp taps + MPI comm thread), "compiled"
+            (shard_map over all processes, one psum per bucket; needs
+            portddp.init(jax_distributed=True) under mpirun) or "pmap" (this
+            process's devices are the ranks; no MPI).
+        transport: "mpi" (hooked: the gradients; compiled: construction checks only).
         overlap: False launches every bucket after backward (the baseline).
         order: parameter names (jax.tree_util.keystr of each leaf path) in
             registration order; default: the pytree's leaf order. Give the twin
             PyTorch model's order to get its identical plan.
+        pmap_devices: strategy="pmap" only: how many local devices (default all).
     """
 
     def __init__(self, params, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
-                 strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None):
+                 strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
+                 pmap_devices: int | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
         if transport not in TRANSPORTS:
@@ -98,11 +107,24 @@ class DistributedDataParallel:
         leaves = [leaf for _, leaf in paths]
         if not leaves:
             raise ValueError("DistributedDataParallel needs a pytree with at least one array leaf")
+        not_float = [(n, jnp.dtype(x).name) for n, x in zip(self._names, leaves)
+                     if not jnp.issubdtype(jnp.dtype(x), jnp.floating)]
+        if not_float:
+            raise ValueError(
+                f"leaf {not_float[0][0]} has dtype {not_float[0][1]}, which has no gradient: pass only the "
+                "trainable floating-point parameters (for Flax NNX: nnx.state(model, nnx.Param)) and keep "
+                f"integer state elsewhere ({len(not_float)} such leaves)"
+            )
         self._specs = [ParamSpec(n, tuple(np.shape(x)), jnp.dtype(x).name) for n, x in zip(self._names, leaves)]
-        self._transport = get_transport()
-        self.world_size, self.rank = self._transport.size, self._transport.rank
+        if strategy == "pmap":
+            # This process's devices are the ranks: no other process, no MPI.
+            self._transport = None
+            self.world_size, self.rank = compiled.pmap_world(pmap_devices), 0
+        else:
+            self._transport = get_transport()
+            self.world_size, self.rank = self._transport.size, self._transport.rank
+            self._verify_same_params(self._specs)
         self._inv_world = 1.0 / self.world_size
-        self._verify_same_params(self._specs)
 
         registration = self._registration_order(order)
         ordered = [self._specs[i] for i in registration]
@@ -114,6 +136,8 @@ class DistributedDataParallel:
         self._lock = threading.Lock()
         self._last_events: IterationEvents | None = None
         self._iterations = 0
+        self._iteration_time = 0.0
+        self._hlo: dict = {}
 
     # ------------------------------------------------------------------ setup
     def _registration_order(self, order) -> list[int]:
@@ -152,10 +176,12 @@ class DistributedDataParallel:
         self._plan = plan
         self._buffers = [np.zeros(b.numel, dtype=jnp.dtype(b.dtype)) for b in plan.buckets]
         self._grad_buckets = [
-            GradBucket(b, buf, [self._names[i] for i in plan.buckets[b].params], len(plan.buckets), self._transport)
+            GradBucket(b, buf, [self._names[i] for i in plan.buckets[b].params], len(plan.buckets), self._transport,
+                       self.world_size)
             for b, buf in enumerate(self._buffers)
         ]
         self._taps = [self._make_tap(b) for b in range(len(plan.buckets))]
+        self._reduce_step = None
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -174,7 +200,9 @@ class DistributedDataParallel:
     def broadcast(self, params):
         """Rank 0's values of `params` on every rank (same structure, shapes, dtypes checked)."""
         leaves = self._leaves_of(params)
-        for b, bucket in enumerate(self._plan.buckets):
+        if self.strategy == "pmap":
+            return params  # one process: its values are rank 0's
+        for b in range(len(self._plan.buckets)):
             self._pack(b, leaves, divide=False)
             if self.world_size > 1:
                 self._transport.broadcast(self._buffers[b], root=0).wait()
@@ -312,7 +340,47 @@ class DistributedDataParallel:
 
     def value_and_grad(self, loss_fn):
         """`grad_fn(params, batch, sync=True) -> (loss, grads)`: grads are the mean over
-        ranks (sync=True) or this rank's own (sync=False, to accumulate and `reduce` later)."""
+        ranks (sync=True) or this rank's own (sync=False, to accumulate and `reduce` later).
+
+        `loss` is this rank's own loss (pmap: the mean over devices). For pmap,
+        `batch` is the process's whole batch, split evenly over the devices."""
+        loss_fn = _scalar_loss(loss_fn)
+        local = jax.jit(jax.value_and_grad(loss_fn))
+        if self.strategy == "hooked":
+            synced = self._hooked_step(loss_fn)
+        else:
+            synced = self._timed(compiled.make_step(self, loss_fn))
+
+        def grad_fn(params, batch, sync: bool = True):
+            return synced(params, batch) if sync else local(params, batch)
+
+        return grad_fn
+
+    def _timed(self, step):
+        def run(params, batch):
+            t0 = _now()
+            loss, grads = step(params, batch)
+            jax.block_until_ready(grads)
+            self._iteration_time = (_now() - t0) * 1e-9
+            self._iterations += 1
+            return loss, grads
+
+        return run
+
+    def psum_buckets(self, leaves: list, axis_name: str) -> list:
+        """Inside a compiled step: each bucket flattened, divided by the world size,
+        summed with one psum, and split back. Returns the new leaf list."""
+        out = list(leaves)
+        for bucket in self._plan.buckets:
+            flat = jnp.concatenate([leaves[i].reshape(-1) for i in bucket.params])
+            # Divide before the sum, as the hooked strategy and PyTorch do.
+            flat = jax.lax.psum(flat * jnp.asarray(self._inv_world, flat.dtype), axis_name)
+            for i, off in zip(bucket.params, bucket.offsets):
+                spec = self._specs[i]
+                out[i] = flat[off:off + spec.numel].reshape(spec.shape)
+        return out
+
+    def _hooked_step(self, loss_fn):
         loss_tap = self._loss_tap()
 
         def tapped(params, batch):
@@ -324,21 +392,22 @@ class DistributedDataParallel:
             return loss_tap(loss_fn(jax.tree_util.tree_unflatten(self._treedef, leaves), batch))
 
         synced = jax.jit(jax.value_and_grad(tapped))
-        local = jax.jit(jax.value_and_grad(loss_fn))
 
-        def grad_fn(params, batch, sync: bool = True):
-            if not sync:
-                return local(params, batch)
+        def step(params, batch):
             self._begin_iteration()
             loss, local_grads = synced(params, batch)
             jax.block_until_ready(local_grads)  # every tap's callback has run
             return loss, self._finalize()
 
-        return grad_fn
+        return step
 
     def reduce(self, grads):
         """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order."""
         leaves = self._leaves_of(grads)
+        if self.strategy != "hooked":
+            if self._reduce_step is None:
+                self._reduce_step = compiled.make_reduce(self)
+            return self._reduce_step(grads)
         self._begin_iteration()
         for b in range(len(self._buffers)):
             self._pack(b, leaves, divide=self._hook is None)
@@ -350,6 +419,8 @@ class DistributedDataParallel:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
+        if self.strategy != "hooked":
+            return {"iteration_time": self._iteration_time, "iterations": self._iterations, "hlo": self._hlo}
         if self._last_events is None:
             return {}
         ev = self._last_events
@@ -359,6 +430,19 @@ class DistributedDataParallel:
             "iterations": self._iterations,
             "events": ev,
         }
+
+
+def _scalar_loss(loss_fn):
+    """loss_fn, checked at trace time to return a scalar (the same error on every rank)."""
+
+    def checked(params, batch):
+        loss = loss_fn(params, batch)
+        if jnp.shape(loss) != ():
+            raise TypeError(f"loss_fn must return a scalar; {getattr(loss_fn, '__name__', loss_fn)!r} returned "
+                            f"shape {jnp.shape(loss)}: reduce it (e.g. .mean()) inside loss_fn")
+        return loss
+
+    return checked
 
 
 def _reindex(plan: BucketPlan, registration: list[int], specs: tuple[ParamSpec, ...]) -> BucketPlan:
