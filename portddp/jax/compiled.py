@@ -40,7 +40,7 @@ def pmap_world(requested: int | None) -> int:
     return requested
 
 
-def _process_devices(world: int):
+def process_devices(world: int):
     """One device per process (its first), in process order; and this process's."""
     first: dict = {}
     for d in jax.devices():
@@ -91,7 +91,7 @@ def make_step(ddp, loss_fn):
 
         return step
 
-    devices, mine = _process_devices(ddp.world_size)
+    devices, mine = process_devices(ddp.world_size)
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
     # check_vma=False: with it, JAX would psum the gradients of the replicated
@@ -121,7 +121,7 @@ def make_reduce(ddp):
         return lambda grads: jax.tree.map(lambda g: g[0], fn(jax.tree.map(
             lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), grads)))
 
-    devices, _ = _process_devices(ddp.world_size)
+    devices, _ = process_devices(ddp.world_size)
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
     sharded = NamedSharding(mesh, P(DATA_AXIS))
     # Each process's gradients are one row of a (world, ...) array.

@@ -124,6 +124,8 @@ class DistributedDataParallel:
             self._transport = get_transport()
             self.world_size, self.rank = self._transport.size, self._transport.rank
             self._verify_same_params(self._specs)
+            if strategy == "compiled":
+                compiled.process_devices(self.world_size)  # fails early without jax.distributed
         self._inv_world = 1.0 / self.world_size
 
         registration = self._registration_order(order)

@@ -11,6 +11,7 @@ import portddp
 
 WORLD = portddp.init(torch_distributed=False)
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from portddp.jax import DistributedDataParallel  # noqa: E402
@@ -38,6 +39,18 @@ def run(case: str) -> None:
         DistributedDataParallel(params, bucket_cap_mb=-2)
     elif case == "bad_order":
         DistributedDataParallel(params, order=["['enc']['w']"])
+    elif case == "unknown_transport":
+        DistributedDataParallel(params, transport="c10d")
+    elif case == "pmap_too_many_devices":
+        DistributedDataParallel(params, strategy="pmap", pmap_devices=jax.local_device_count() + 3)
+    elif case == "integer_leaf":
+        params["enc"]["step"] = jnp.zeros((), jnp.int32)
+        DistributedDataParallel(params)
+    elif case == "loss_not_scalar":
+        ddp = DistributedDataParallel(params)
+        ddp.value_and_grad(lambda p, x: x @ p["enc"]["w"])(params, jnp.ones((3, 4)))
+    elif case == "compiled_without_jax_distributed":
+        DistributedDataParallel(params, strategy="compiled")
     else:
         raise SystemExit(f"unknown case {case!r}")
 

@@ -1,18 +1,24 @@
-"""Multi-rank checks of portddp.jax (hooked strategy), run by tests/test_jax_ddp.py:
+"""Multi-rank checks of portddp.jax, run by tests/test_jax_ddp.py:
 
     mpirun -n 2 python -m tests.workers.jax_equivalence
 
-Each rank writes one JSON line per scenario (tests/workers/common.py).
+Each rank writes one JSON line per scenario (tests/workers/common.py). The
+"pmap" strategy runs only in a world of one, over 4 forced host devices.
 """
 
 from __future__ import annotations
+
+import os
 
 import ml_dtypes
 import numpy as np
 
 import portddp
+from portddp.launch import detect
 
-WORLD = portddp.init(torch_distributed=False)  # before jax: pins XLA to one thread per rank
+if detect().size == 1:  # before JAX starts: 4 CPU devices for the pmap strategy
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+WORLD = portddp.init(torch_distributed=False, jax_distributed=True)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -27,6 +33,7 @@ from tests.workers import common  # noqa: E402
 
 IN, HID, OUT, BATCH, STEPS, LR = 16, 32, 4, 8, 5, 0.1
 CAP_MB = 0.004
+STRATEGIES = ("hooked", "compiled") + (("pmap",) if WORLD.size == 1 else ())
 
 
 def init_params(seed: int, dtype):
@@ -45,8 +52,12 @@ def loss_fn(p, batch):
     return jnp.mean((h @ p["head"]["w"] + p["head"]["b"] - y) ** 2)
 
 
-def batch(step, rank, dtype):
-    return regression_batch(3, step, rank, BATCH, IN, OUT, dtype=dtype)
+def my_batch(ddp, step, dtype):
+    """This process's batch: its rank's, or for pmap the whole global batch (devices are the ranks)."""
+    if ddp.strategy == "pmap":
+        return global_batch(regression_batch, ddp.world_size, 3, step, batch=BATCH, in_dim=IN, out_dim=OUT,
+                            dtype=dtype)
+    return regression_batch(3, step, WORLD.rank, BATCH, IN, OUT, dtype=dtype)
 
 
 def sgd(params, grads):
@@ -58,43 +69,83 @@ def rel_diff(a, b) -> float:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def vs_global_batch(dtype: str, overlap: bool, micro: int = 1):
-    """K SGD steps against one process on the concatenated global batch.
-    `micro` > 1: local accumulation (sync=False) then ddp.reduce, as no_sync would."""
+def make_ddp(dtype, strategy, **kw):
     params = init_params(100 + WORLD.rank, dtype)  # differs per rank: broadcast must fix it
-    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB / 4, overlap=overlap)
-    params = ddp.broadcast(params)
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB / 4,
+                                  strategy=strategy, **kw)
+    return ddp, ddp.broadcast(params)
+
+
+def vs_global_batch(dtype: str, strategy: str, overlap: bool = True):
+    """5 SGD steps against one process on the concatenated global batch."""
+    ddp, params = make_ddp(dtype, strategy, overlap=overlap)
     grad_fn = ddp.value_and_grad(loss_fn)
     ref = init_params(100, dtype)
     ref_grad = jax.jit(jax.grad(loss_fn))
     for step in range(STEPS):
-        if micro == 1:
-            _, grads = grad_fn(params, batch(step, WORLD.rank, dtype))
-        else:
-            acc = None
-            for m in range(micro):
-                _, g = grad_fn(params, batch(step * micro + m, WORLD.rank, dtype), sync=False)
-                acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
-            grads = ddp.reduce(acc)
+        _, grads = grad_fn(params, my_batch(ddp, step, dtype))
         params = sgd(params, grads)
-        ref_acc = None
-        for m in range(micro):
-            gb = global_batch(regression_batch, WORLD.size, 3, step * micro + m, batch=BATCH, in_dim=IN,
-                              out_dim=OUT, dtype=dtype)
-            g = ref_grad(ref, gb)
-            ref_acc = g if ref_acc is None else jax.tree.map(jnp.add, ref_acc, g)
-        ref = sgd(ref, ref_acc)
-    ev = ddp.stats()["events"] if micro == 1 else None
-    common.report(WORLD.rank, f"global_batch/{dtype}/overlap={overlap}/micro={micro}",
-                  max_rel=rel_diff(params, ref), buckets=len(ddp.bucket_plan.buckets),
-                  first_launch_before_backward_end=(min(b.launch_ns for b in ev.buckets) < ev.backward_end_ns)
-                  if ev else None,
-                  ordered=all(a.launch_ns <= b.launch_ns for a, b in zip(ev.buckets, ev.buckets[1:])) if ev else None)
+        ref = sgd(ref, ref_grad(ref, global_batch(regression_batch, ddp.world_size, 3, step, batch=BATCH,
+                                                  in_dim=IN, out_dim=OUT, dtype=dtype)))
+    fields = {"max_rel": rel_diff(params, ref), "buckets": len(ddp.bucket_plan.buckets)}
+    if strategy == "hooked":
+        ev = ddp.stats()["events"]
+        fields["first_launch_before_backward_end"] = min(b.launch_ns for b in ev.buckets) < ev.backward_end_ns
+        fields["ordered"] = all(a.launch_ns <= b.launch_ns for a, b in zip(ev.buckets, ev.buckets[1:]))
+    else:
+        fields["hlo"] = ddp.stats()["hlo"]
+    common.report(WORLD.rank, f"global_batch/{strategy}/{dtype}/overlap={overlap}", **fields)
+
+
+def accumulate4(strategy: str):
+    """Four quarter micro-batches, sync=False, summed and reduced = the one-batch gradient."""
+    ddp, params = make_ddp("float64", strategy)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    x, y = my_batch(ddp, 0, "float64")
+    _, one = grad_fn(params, (x, y))
+    q = len(x) // 4
+    acc = None
+    for k in range(4):
+        _, g = grad_fn(params, (x[k * q:(k + 1) * q], y[k * q:(k + 1) * q]), sync=False)
+        acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+    reduced = jax.tree.map(lambda g: g / 4, ddp.reduce(acc))
+    common.report(WORLD.rank, f"accumulate4/{strategy}", max_rel=rel_diff(reduced, one))
+
+
+def hooked_vs_compiled():
+    grads = {}
+    for strategy in ("hooked", "compiled"):
+        ddp, params = make_ddp("float64", strategy)
+        _, grads[strategy] = ddp.value_and_grad(loss_fn)(params, my_batch(ddp, 0, "float64"))
+    common.report(WORLD.rank, "hooked_vs_compiled", max_rel=rel_diff(grads["hooked"], grads["compiled"]))
+
+
+def same_plan_as_torch():
+    """A twin PyTorch model (nn.Linear keeps (out, in) weights) gets the identical plan."""
+    import torch  # noqa: PLC0415
+    from torch import nn  # noqa: PLC0415
+
+    from portddp.torch import DistributedDataParallel as TorchDDP  # noqa: PLC0415
+
+    twin = nn.Sequential(nn.Linear(IN, HID), nn.Tanh(), nn.Linear(HID, HID), nn.Tanh(), nn.Linear(HID, OUT))
+    torch_ddp = TorchDDP(twin.double(), bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB / 4, transport="mpi")
+    params = {f"{k}.{n}": jnp.asarray(p.detach().numpy().T if p.ndim == 2 else p.detach().numpy())
+              for k, n, p in ((name.split(".")[0], name.split(".")[1], p) for name, p in twin.named_parameters())}
+    order = [f"['{name}']" for name, _ in twin.named_parameters()]
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB / 4, order=order)
+    jax_buckets = [[ddp.bucket_plan.specs[i].name for i in b.params] for b in ddp.bucket_plan.buckets]
+    torch_buckets = [[f"['{torch_ddp.bucket_plan.specs[i].name}']" for i in b.params]
+                     for b in torch_ddp.bucket_plan.buckets]
+    same_layout = [(b.offsets, b.numel, b.dtype) for b in ddp.bucket_plan.buckets] == \
+                  [(b.offsets, b.numel, b.dtype) for b in torch_ddp.bucket_plan.buckets]
+    common.report(WORLD.rank, "same_plan_as_torch", equal=jax_buckets == torch_buckets and same_layout,
+                  jax=jax_buckets, torch=torch_buckets, torch_version=torch.__version__)
 
 
 def hooks_vs_numpy():
+    """Each hook against cast -> divide -> sum -> cast back in numpy, from every rank's local gradient."""
     params = init_params(100, "float32")
-    x = batch(0, WORLD.rank, "float32")
+    x = regression_batch(3, 0, WORLD.rank, BATCH, IN, OUT, dtype="float32")
     mine = [np.asarray(g) for g in jax.tree.leaves(jax.jit(jax.grad(loss_fn))(params, x))]
     allg = get_transport().allgather_object(mine)
     for hook, np_dtype in ((fp16_compress_hook, np.float16), (bf16_compress_hook, ml_dtypes.bfloat16),
@@ -118,10 +169,13 @@ def hooks_vs_numpy():
 
 
 def main():
-    for dtype in ("float64", "float32"):
-        for overlap in (True, False):
-            vs_global_batch(dtype, overlap)
-    vs_global_batch("float64", True, micro=3)
+    for strategy in STRATEGIES:
+        for dtype in ("float64", "float32"):
+            vs_global_batch(dtype, strategy)
+        accumulate4(strategy)
+    vs_global_batch("float64", "hooked", overlap=False)
+    hooked_vs_compiled()
+    same_plan_as_torch()
     hooks_vs_numpy()
 
 
