@@ -62,3 +62,41 @@ def write_result(path: str | os.PathLike, payload: dict) -> Path:
     tmp.write_text(json.dumps(payload, indent=2, default=str))
     tmp.replace(path)
     return path
+
+
+METRICS = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time",
+           "overlap_ratio", "exposed_comm_time")
+"""DESIGN.md's per-iteration metrics, in the order tables show them."""
+
+
+def ratios(results: dict, reference: str, suffix: str) -> dict[str, float]:
+    """{"<impl>_<suffix>": median(impl) / median(reference)} for every other implementation."""
+    if reference not in results:
+        return {}
+    base = results[reference]["median_s"]
+    return {f"{impl}_{suffix}": res["median_s"] / base for impl, res in results.items() if impl != reference}
+
+
+def print_results(results: dict, title: str, extra: dict[str, str]) -> None:
+    """A rich table: one row per implementation, its median time and DESIGN.md metrics,
+    plus `extra` columns ({header: key in the result dict})."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title=title)
+    headers = ["implementation", "iteration", "bwd compute", "bwd comm", "overlap", "overlap ratio", "exposed comm"]
+    for col in headers + list(extra):
+        table.add_column(col, justify="right")
+    for impl, res in results.items():
+        m = res.get("metrics", {})
+
+        def ms(key, m=m):
+            return f"{m[key] * 1e3:.2f}" if key in m else "-"
+
+        cells = [impl, f"{res['median_s'] * 1e3:.2f}", ms(METRICS[0]), ms(METRICS[1]), ms(METRICS[2]),
+                 f"{m['overlap_ratio']:.2f}" if "overlap_ratio" in m else "-", ms(METRICS[4])]
+        for key in extra.values():
+            value = res.get(key, "-")
+            cells.append(f"{value:.3g}" if isinstance(value, float) else str(value))
+        table.add_row(*cells)
+    Console(width=170).print(table)

@@ -22,14 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 import portddp
-from experiments.common import environment, median, parse_config, write_result
+from experiments.common import METRICS, environment, median, parse_config, print_results, ratios, write_result
 from portddp.data import regression_batch
 from portddp.models import TorchMLP
 from portddp.torch import DistributedDataParallel
 
 IMPLEMENTATIONS = ("native", "portddp-c10d", "portddp-mpi", "local")
-METRICS = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time",
-           "overlap_ratio", "exposed_comm_time")
 
 
 @dataclasses.dataclass
@@ -134,47 +132,16 @@ def main(argv=None) -> dict:
             dist.all_reduce(spread, op=dist.ReduceOp.MAX)
             results[r.impl]["ranks_identical"] = bool(torch.equal(spread, flat))
 
-    ratios = {}
-    if "native" in results:
-        for impl in results:
-            if impl != "native":
-                ratios[f"{impl}_vs_native"] = results[impl]["median_s"] / results["native"]["median_s"]
-    if "local" in results:
-        for impl in results:
-            if impl != "local":
-                ratios[f"{impl}_vs_limit"] = results[impl]["median_s"] / results["local"]["median_s"]
+    headline = ratios(results, "native", "vs_native") | ratios(results, "local", "vs_limit")
     if world.rank == 0:
-        print_table(results)
+        print_results(results, "per-iteration medians (rank 0); times in ms",
+                      {"max |Δparam| vs native": "max_param_diff_vs_native", "ranks identical": "ranks_identical"})
+        print("native DDP's metrics are its own (_get_ddp_logging_data averages); the others are portddp's events.")
         path = write_result(cfg.out, {"config": dataclasses.asdict(cfg), "world": dataclasses.asdict(world),
-                                      "environment": environment(), "results": results, "ratios": ratios})
+                                      "environment": environment(), "results": results, "ratios": headline})
         print(f"wrote {path}")
-        print(" ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+        print(" ".join(f"{k}={v:.3f}" for k, v in headline.items()))
     return results
-
-
-def print_table(results: dict) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-
-    table = Table(title="per-iteration medians (rank 0); times in ms")
-    for col in ("implementation", "iteration", "bwd compute", "bwd comm", "overlap", "overlap ratio",
-                "exposed comm", "max |Δparam| vs native", "ranks identical"):
-        table.add_column(col, justify="right")
-    for impl, res in results.items():
-        m = res["metrics"]
-
-        def ms(key, m=m):
-            return f"{m[key] * 1e3:.2f}" if key in m else "-"
-
-        table.add_row(
-            impl, f"{res['median_s'] * 1e3:.2f}", ms("backward_compute_time"), ms("backward_comm_time"),
-            ms("backward_compute_comm_overlap_time"),
-            f"{m['overlap_ratio']:.2f}" if "overlap_ratio" in m else "-", ms("exposed_comm_time"),
-            f"{res['max_param_diff_vs_native']:.3g}" if "max_param_diff_vs_native" in res else "-",
-            str(res.get("ranks_identical", "-")),
-        )
-    Console(width=160).print(table)
-    print("native DDP's metrics are its own (_get_ddp_logging_data averages); the others are portddp's events.")
 
 
 if __name__ == "__main__":
