@@ -65,6 +65,12 @@ def test_same_plan_as_portddp_torch(results):
         assert len(row["jax"]) >= 2, row
 
 
+def test_flax_nnx_state(results):
+    _, rows = mpi.each_rank(results, "nnx_state")
+    for row in rows:
+        assert row["max_rel"] <= 1e-10 and row["type"] == "State", row
+
+
 @pytest.mark.parametrize("hook,eps", [("fp16_compress_hook", 2.0**-10), ("bf16_compress_hook", 2.0**-7),
                                       ("allreduce_hook", 1e-6), ("noop_hook", 1e-6)])
 def test_comm_hooks_match_numpy(results, hook, eps):
@@ -79,6 +85,7 @@ BAD = [
     ("shape_mismatch", r"leaf #0 is \['dec'\]\['w'\] \(4, 2\) float32 on rank 0 but \['dec'\]\['w'\] \(4, 3\) float32"),
     ("dtype_mismatch", r"leaf #1 is \['enc'\]\['b'\] \(4,\) float32 on rank 0 but \['enc'\]\['b'\] \(4,\) bfloat16"),
     ("structure_mismatch", r"rank 0 has 3 leaves, rank \d has 4; the first one only rank \d has is \['extra'\]"),
+    ("broadcast_mismatch", r"leaf #0 is \['dec'\]\['w'\] \(4, 2\) float32 on rank 0 but \['dec'\]\['w'\] \(5, 2\)"),
     ("unknown_strategy", r"unknown strategy 'telepathy': choose one of \('hooked', 'compiled', 'pmap'\)"),
     ("unknown_transport", r"unknown transport 'c10d': portddp\.jax supports \('mpi',\)"),
     ("bad_cap", r"bucket_cap_mb=-2 is not a valid bucket size"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -34,10 +35,9 @@ def test_mpirun_world_and_rendezvous():
     code = code.replace("torch_threads()", "__import__('torch').get_num_threads()")
     proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120)
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("WORLD"))
-    assert len(lines) == 2, proc.stdout + proc.stderr
-    for r, line in enumerate(lines):
-        _, rank, size, launcher, c10d_rank, c10d_size, threads = line.split()
+    records = sorted(re.findall(r"WORLD (\d+) (\d+) (\w+) (\d+) (\d+) (\d+)", proc.stdout))
+    assert len(records) == 2, proc.stdout + proc.stderr
+    for r, (rank, size, launcher, c10d_rank, c10d_size, threads) in enumerate(records):
         assert (int(rank), int(size), launcher, int(c10d_rank), int(c10d_size)) == (r, 2, "mpirun", r, 2)
         assert int(threads) >= 1
 
@@ -55,3 +55,13 @@ def test_unknown_backend():
 
     with pytest.raises(ValueError, match="unknown backend 'mpi-ish'"):
         portddp.init(backend="mpi-ish", torch_distributed=False)
+
+
+def test_torch_and_jax_distributed_in_one_process():
+    code = ("import portddp, torch.distributed as d; w = portddp.init(jax_distributed=True); import jax; "
+            "print('BOTH', w.rank, d.get_world_size(), jax.process_count(), jax.process_index())")
+    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=120)
+    # Ranks share one stdout: match records, not lines.
+    found = sorted(re.findall(r"BOTH (\d) (\d) (\d) (\d)", proc.stdout))
+    assert found == [("0", "2", "2", "0"), ("1", "2", "2", "1")], proc.stdout + proc.stderr

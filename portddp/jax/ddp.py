@@ -201,6 +201,11 @@ class DistributedDataParallel:
     # ------------------------------------------------------------- broadcast
     def broadcast(self, params):
         """Rank 0's values of `params` on every rank (same structure, shapes, dtypes checked)."""
+        if self._transport is not None:
+            # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
+            paths, _ = jax.tree_util.tree_flatten_with_path(params)
+            self._verify_same_params([ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), jnp.dtype(x).name)
+                                      for p, x in paths])
         leaves = self._leaves_of(params)
         if self.strategy == "pmap":
             return params  # one process: its values are rank 0's

@@ -39,6 +39,11 @@ def run(case: str) -> None:
         DistributedDataParallel(params, bucket_cap_mb=-2)
     elif case == "bad_order":
         DistributedDataParallel(params, order=["['enc']['w']"])
+    elif case == "broadcast_mismatch":
+        ddp = DistributedDataParallel(params)
+        if last:
+            params = {**params, "dec": {"w": jnp.zeros((5, 2))}}
+        ddp.broadcast(params)
     elif case == "unknown_transport":
         DistributedDataParallel(params, transport="c10d")
     elif case == "pmap_too_many_devices":

@@ -142,6 +142,32 @@ def same_plan_as_torch():
                   jax=jax_buckets, torch=torch_buckets, torch_version=torch.__version__)
 
 
+def nnx_state():
+    """A Flax NNX module's nnx.Param state is a pytree like any other."""
+    from flax import nnx  # noqa: PLC0415
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(IN, HID, rngs=rngs, param_dtype=jnp.float64)
+            self.l2 = nnx.Linear(HID, OUT, rngs=rngs, param_dtype=jnp.float64)
+
+        def __call__(self, x):
+            return self.l2(jnp.tanh(self.l1(x)))
+
+    graphdef, params = nnx.split(Net(nnx.Rngs(WORLD.rank)), nnx.Param)
+
+    def nnx_loss(p, batch):
+        x, y = batch
+        return jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
+
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB)
+    params = ddp.broadcast(params)
+    _, grads = ddp.value_and_grad(nnx_loss)(params, regression_batch(3, 0, WORLD.rank, BATCH, IN, OUT, "float64"))
+    gb = global_batch(regression_batch, WORLD.size, 3, 0, batch=BATCH, in_dim=IN, out_dim=OUT, dtype="float64")
+    want = jax.grad(nnx_loss)(params, gb)
+    common.report(WORLD.rank, "nnx_state", max_rel=rel_diff(grads, want), type=type(grads).__name__)
+
+
 def hooks_vs_numpy():
     """Each hook against cast -> divide -> sum -> cast back in numpy, from every rank's local gradient."""
     params = init_params(100, "float32")
@@ -176,6 +202,7 @@ def main():
     vs_global_batch("float64", "hooked", overlap=False)
     hooked_vs_compiled()
     same_plan_as_torch()
+    nnx_state()
     hooks_vs_numpy()
 
 
