@@ -52,24 +52,24 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     import optax  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
 
     from portddp.data import global_batch, regression_batch  # noqa: PLC0415
     from portddp.jax import DistributedDataParallel  # noqa: PLC0415
-    from portddp.models import TorchMLP, jax_mlp_apply, jax_params_from_torch, torch_order  # noqa: PLC0415
+    from portddp.models import build_twin, jax_order  # noqa: PLC0415
     from portddp.transport import get_transport  # noqa: PLC0415
 
     say = print if world.rank == 0 else (lambda *a, **k: None)
     say(f"portddp.jax demo: {world.size} ranks ({world.launcher}), {cfg.depth} x Linear({cfg.width}, {cfg.width}), "
         f"batch {cfg.batch}/rank, bucket cap {cfg.bucket_cap_mb} MB, jax {jax.__version__}")
-    torch.manual_seed(cfg.seed)
-    twin = TorchMLP(cfg.width, cfg.depth)
-    init_params = {k: jnp.asarray(v) for k, v in jax_params_from_torch(twin).items()}
-    order = torch_order(twin)
+    # The torch demo's model: the same seed gives the same initial weights.
+    twin = build_twin("mlp", "bench", seed=cfg.seed, width=cfg.width, depth=cfg.depth)
+    graphdef, init_params = nnx.split(twin.nnx_model, nnx.Param)
+    order = jax_order(twin.torch_model, init_params)
 
     def loss_fn(params, batch):
         x, y = batch
-        return jnp.mean((jax_mlp_apply(params, x) - y) ** 2)
+        return jnp.mean((nnx.merge(graphdef, params)(x) - y) ** 2)
 
     opt = optax.sgd(cfg.lr, momentum=0.9)
     update = jax.jit(lambda p, s, g: (lambda u, s2: (optax.apply_updates(p, u), s2))(*opt.update(g, s, p)))
@@ -134,13 +134,13 @@ def main(argv=None) -> dict:
                 gb = global_batch(regression_batch, world.size, cfg.seed, step, batch=cfg.batch, in_dim=cfg.width,
                                   out_dim=cfg.width)
                 ref, state = update(ref, state, grad(ref, gb))
-            ref = {k: np.asarray(v) for k, v in ref.items()}
+            ref = [np.asarray(v) for v in jax.tree.leaves(ref)]
         ref = get_transport().bcast_object(ref)
         for r in runners:
             if r.impl != "local":
                 results[r.impl]["max_rel_diff_vs_global_batch"] = max(
-                    float(np.abs(np.asarray(r.params[k]) - ref[k]).max() / max(1.0, np.abs(ref[k]).max()))
-                    for k in ref)
+                    float(np.abs(np.asarray(a) - b).max() / max(1.0, np.abs(b).max()))
+                    for a, b in zip(jax.tree.leaves(r.params), ref))
 
     headline = ratios(results, "local", "vs_limit")
     if "hooked" in results and results["hooked"]["metrics"]:

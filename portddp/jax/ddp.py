@@ -107,15 +107,15 @@ class DistributedDataParallel:
         leaves = [leaf for _, leaf in paths]
         if not leaves:
             raise ValueError("DistributedDataParallel needs a pytree with at least one array leaf")
-        not_float = [(n, jnp.dtype(x).name) for n, x in zip(self._names, leaves)
-                     if not jnp.issubdtype(jnp.dtype(x), jnp.floating)]
+        not_float = [(n, np.dtype(x.dtype).name) for n, x in zip(self._names, leaves)
+                     if not jnp.issubdtype(x.dtype, jnp.floating)]
         if not_float:
             raise ValueError(
                 f"leaf {not_float[0][0]} has dtype {not_float[0][1]}, which has no gradient: pass only the "
                 "trainable floating-point parameters (for Flax NNX: nnx.state(model, nnx.Param)) and keep "
                 f"integer state elsewhere ({len(not_float)} such leaves)"
             )
-        self._specs = [ParamSpec(n, tuple(np.shape(x)), jnp.dtype(x).name) for n, x in zip(self._names, leaves)]
+        self._specs = [ParamSpec(n, tuple(np.shape(x)), np.dtype(x.dtype).name) for n, x in zip(self._names, leaves)]
         if strategy == "pmap":
             # This process's devices are the ranks: no other process, no MPI.
             self._transport = None
@@ -204,7 +204,7 @@ class DistributedDataParallel:
         if self._transport is not None:
             # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
             paths, _ = jax.tree_util.tree_flatten_with_path(params)
-            self._verify_same_params([ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), jnp.dtype(x).name)
+            self._verify_same_params([ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), np.dtype(x.dtype).name)
                                       for p, x in paths])
         leaves = self._leaves_of(params)
         if self.strategy == "pmap":
@@ -221,8 +221,8 @@ class DistributedDataParallel:
             raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
                              f" got {treedef}, expected {self._treedef}")
         for spec, leaf in zip(self._specs, leaves):
-            if tuple(np.shape(leaf)) != spec.shape or jnp.dtype(leaf).name != spec.dtype:
-                raise ValueError(f"leaf {spec.name} is {np.shape(leaf)} {jnp.dtype(leaf).name}; "
+            if tuple(np.shape(leaf)) != spec.shape or np.dtype(leaf.dtype).name != spec.dtype:
+                raise ValueError(f"leaf {spec.name} is {np.shape(leaf)} {np.dtype(leaf.dtype).name}; "
                                  f"expected {spec.shape} {spec.dtype}")
         return leaves
 

@@ -1,5 +1,67 @@
-"""Models used by the demos and tests, written for both frameworks with the same names."""
+"""Twin models: each written once in PyTorch and once in Flax NNX, with the same
+parameter names, order and initial values (portddp.models.convert).
 
-from portddp.models.mlp import TorchMLP, jax_mlp_apply, jax_params_from_torch, torch_order
+    twin = build_twin("gpt", size="tiny", dtype="float64", seed=0)
+    twin.torch_model, twin.nnx_model          # same values, PyTorch / JAX layouts
+"""
 
-__all__ = ["TorchMLP", "jax_mlp_apply", "jax_params_from_torch", "torch_order"]
+from __future__ import annotations
+
+import dataclasses
+
+from portddp.models.cnn import TorchCNN, nnx_cnn
+from portddp.models.convert import canonical_specs, jax_order, nnx_to_torch, rules_for, torch_to_nnx
+from portddp.models.gpt import GPTConfig, TorchGPT, nnx_gpt
+from portddp.models.mlp import TorchMLP, nnx_mlp
+
+__all__ = ["MODELS", "SIZES", "Twin", "build_twin", "TorchMLP", "TorchCNN", "TorchGPT", "GPTConfig",
+           "canonical_specs", "jax_order", "nnx_to_torch", "rules_for", "torch_to_nnx"]
+
+MODELS = ("mlp", "cnn", "gpt")
+SIZES = ("tiny", "bench")
+
+# Constructor arguments per model and size; both twins get the same ones.
+_ARGS = {
+    ("mlp", "tiny"): {"width": 32, "depth": 3, "in_dim": 64, "out_dim": 10},
+    ("mlp", "bench"): {"width": 1024, "depth": 8},
+    ("cnn", "tiny"): {"in_channels": 1, "channels": (4, 8), "num_classes": 10},
+    ("cnn", "bench"): {"in_channels": 1, "channels": (32, 64), "num_classes": 10},
+    ("gpt", "tiny"): {"cfg": GPTConfig.tiny()},
+    ("gpt", "bench"): {"cfg": GPTConfig.bench()},
+}
+_BUILD = {"mlp": (TorchMLP, nnx_mlp), "cnn": (TorchCNN, nnx_cnn), "gpt": (TorchGPT, nnx_gpt)}
+TASKS = {"mlp": "classification", "cnn": "classification", "gpt": "lm"}
+
+
+@dataclasses.dataclass
+class Twin:
+    name: str
+    size: str
+    dtype: str
+    args: dict
+    torch_model: object
+    nnx_model: object
+
+    @property
+    def task(self) -> str:
+        return TASKS[self.name]
+
+
+def build_twin(name: str, size: str = "tiny", dtype: str = "float32", seed: int = 0, **overrides) -> Twin:
+    """Build the PyTorch model from `seed`, then its NNX twin with the same values.
+    JAX float64 needs jax_enable_x64 set by the caller."""
+    import torch  # noqa: PLC0415
+
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: choose one of {MODELS}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}: choose one of {SIZES}")
+    if dtype not in ("float32", "float64"):
+        raise ValueError(f"unknown dtype {dtype!r}: choose 'float32' or 'float64'")
+    args = {**_ARGS[name, size], **overrides}
+    make_torch, make_nnx = _BUILD[name]
+    torch.manual_seed(seed)
+    torch_model = make_torch(**args).to(getattr(torch, dtype))
+    nnx_model = make_nnx(**args)
+    torch_to_nnx(torch_model, nnx_model)
+    return Twin(name, size, dtype, args, torch_model, nnx_model)

@@ -1,50 +1,46 @@
-"""A stack of Linear layers -- the DDP paper's favourite microbenchmark shape --
-in PyTorch and as a JAX function of a parameter dict, with the same names.
+"""`mlp`: a stack of Linear layers -- the DDP paper's favourite microbenchmark
+shape -- in PyTorch and in Flax NNX, with mirrored attribute paths.
 
-The JAX parameters are a flat dict keyed by the PyTorch parameter names
-("0.weight", "0.bias", "2.weight", ...), kernels stored (in, out) as JAX
-convention has it, so `torch_order()` gives both sides the same bucket plan.
+TorchMLP(1024, 8) is the benchmark model of the issues: 8 x 4 MB of weights.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import torch
 from torch import nn
 
 
-class TorchMLP(nn.Sequential):
-    """`depth` x Linear(width, width) with ReLU between them (none after the last).
-
-    TorchMLP(1024, 8) is the benchmark model of the issues: 8 x 4 MB of weights."""
+class TorchMLP(nn.Module):
+    """`depth` x Linear with ReLU between them (none after the last)."""
 
     def __init__(self, width: int = 1024, depth: int = 8, in_dim: int | None = None, out_dim: int | None = None):
+        super().__init__()
         dims = [in_dim or width] + [width] * (depth - 1) + [out_dim or width]
-        layers: list[nn.Module] = []
-        for k in range(depth):
-            layers.append(nn.Linear(dims[k], dims[k + 1]))
-            if k < depth - 1:
-                layers.append(nn.ReLU())
-        super().__init__(*layers)
+        self.layers = nn.ModuleList(nn.Linear(dims[k], dims[k + 1]) for k in range(depth))
+
+    def forward(self, x):
+        for k, layer in enumerate(self.layers):
+            x = layer(x)
+            if k < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
 
 
-def jax_params_from_torch(model: TorchMLP) -> dict[str, np.ndarray]:
-    """The same values as numpy arrays in JAX layout: Linear kernels transposed to (in, out)."""
-    return {name: (p.detach().numpy().T if name.endswith("weight") else p.detach().numpy()).copy()
-            for name, p in model.named_parameters()}
+def nnx_mlp(width: int = 1024, depth: int = 8, in_dim: int | None = None, out_dim: int | None = None):
+    """The Flax NNX twin of TorchMLP (values come from torch_to_nnx)."""
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
 
+    class NnxMLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            dims = [in_dim or width] + [width] * (depth - 1) + [out_dim or width]
+            self.layers = nnx.List([nnx.Linear(dims[k], dims[k + 1], rngs=rngs) for k in range(depth)])
 
-def torch_order(model: TorchMLP) -> list[str]:
-    """The registration order as portddp.jax `order=` names (keystr of each dict key)."""
-    return [f"['{name}']" for name, _ in model.named_parameters()]
+        def __call__(self, x):
+            for k, layer in enumerate(self.layers):
+                x = layer(x)
+                if k < len(self.layers) - 1:
+                    x = jax.nn.relu(x)
+            return x
 
-
-def jax_mlp_apply(params: dict, x):
-    """The forward pass of TorchMLP on the dict from jax_params_from_torch."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    linear = sorted({int(k.split(".")[0]) for k in params})
-    for n, k in enumerate(linear):
-        x = x @ params[f"{k}.weight"] + params[f"{k}.bias"]
-        if n < len(linear) - 1:
-            x = jnp.maximum(x, 0)
-    return x
+    return NnxMLP(nnx.Rngs(0))
