@@ -14,7 +14,7 @@ from portddp.models.convert import canonical_specs, jax_order, nnx_to_torch, rul
 from portddp.models.gpt import GPTConfig, TorchGPT, nnx_gpt
 from portddp.models.mlp import TorchMLP, nnx_mlp
 
-__all__ = ["MODELS", "SIZES", "Twin", "build_twin", "TorchMLP", "TorchCNN", "TorchGPT", "GPTConfig",
+__all__ = ["MODELS", "SIZES", "Twin", "build_twin", "torch_loss", "jax_loss", "TorchMLP", "TorchCNN", "TorchGPT", "GPTConfig",
            "canonical_specs", "jax_order", "nnx_to_torch", "rules_for", "torch_to_nnx"]
 
 MODELS = ("mlp", "cnn", "gpt")
@@ -30,7 +30,6 @@ _ARGS = {
     ("gpt", "bench"): {"cfg": GPTConfig.bench()},
 }
 _BUILD = {"mlp": (TorchMLP, nnx_mlp), "cnn": (TorchCNN, nnx_cnn), "gpt": (TorchGPT, nnx_gpt)}
-TASKS = {"mlp": "classification", "cnn": "classification", "gpt": "lm"}
 
 
 @dataclasses.dataclass
@@ -42,9 +41,21 @@ class Twin:
     torch_model: object
     nnx_model: object
 
-    @property
-    def task(self) -> str:
-        return TASKS[self.name]
+
+def torch_loss(out, y):
+    """Mean cross entropy over every prediction (classes for mlp/cnn, next tokens for gpt)."""
+    from torch.nn import functional as F  # noqa: PLC0415
+
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def jax_loss(out, y):
+    """The same loss in JAX, written out (log-softmax, pick, mean) like PyTorch computes it."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    logp = jax.nn.log_softmax(out.reshape(-1, out.shape[-1]), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, y.reshape(-1, 1), axis=1))
 
 
 def build_twin(name: str, size: str = "tiny", dtype: str = "float32", seed: int = 0, **overrides) -> Twin:

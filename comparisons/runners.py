@@ -1,0 +1,138 @@
+"""One runner per implementation for the equivalence harness: build, then step.
+
+Each `step(k)` trains one optimizer step on its batch (this rank's, or the
+global batch for the single-process references) and returns the loss, the
+gradients the optimizer used and the parameters after the step, as numpy
+arrays in PyTorch layout keyed by PyTorch parameter names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from portddp.data import global_batch, model_batch
+from portddp.models import build_twin, jax_loss, jax_order, rules_for, torch_loss
+
+__all__ = ["StepTrace", "make_runner"]
+
+
+@dataclasses.dataclass
+class StepTrace:
+    loss: float
+    grads: dict[str, np.ndarray]
+    params: dict[str, np.ndarray]
+
+
+def _batch(cfg, world, step: int, whole: bool):
+    per_rank = cfg.global_batch // world.size
+    block = getattr(_batch, "block", 16)
+    if whole:
+        return global_batch(model_batch, world.size, cfg.model, cfg.seed, step, batch=per_rank, dtype=cfg.dtype,
+                            block_size=block)
+    return model_batch(cfg.model, cfg.seed, step, world.rank, per_rank, dtype=cfg.dtype, block_size=block)
+
+
+def _adamw_lr(cfg) -> float:
+    return cfg.lr / 10  # Adam's steps are lr-sized whatever the gradient: keep them small
+
+
+class TorchRunner:
+    def __init__(self, name: str, cfg, world):
+        import torch  # noqa: PLC0415
+        from torch import nn  # noqa: PLC0415
+
+        from portddp.torch import DistributedDataParallel  # noqa: PLC0415
+
+        self.name, self.cfg, self.world = name, cfg, world
+        twin = build_twin(cfg.model, cfg.size, cfg.dtype, cfg.seed)
+        if cfg.model == "gpt":
+            _batch.block = twin.args["cfg"].block_size
+        self.model = twin.torch_model
+        self.global_loss = name == "torch-ref"
+        if name == "torch-ref":
+            self.wrapped = self.model
+        elif name == "native-ddp":
+            self.wrapped = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=cfg.bucket_cap_mb)
+        else:
+            self.wrapped = DistributedDataParallel(self.model, bucket_cap_mb=cfg.bucket_cap_mb,
+                                                   first_bucket_cap_mb=cfg.bucket_cap_mb / 4,
+                                                   transport=name.removeprefix("torch-"))
+        if cfg.optimizer == "sgd":
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=0.9)
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=_adamw_lr(cfg), betas=(0.9, 0.999), eps=1e-8,
+                                         weight_decay=0.01)
+        self._torch = torch
+
+    def step(self, k: int) -> StepTrace:
+        torch = self._torch
+        x, y = (torch.from_numpy(a) for a in _batch(self.cfg, self.world, k, whole=self.global_loss))
+        self.opt.zero_grad()
+        loss = torch_loss(self.wrapped(x), y)
+        loss.backward()
+        grads = {n: p.grad.detach().numpy().copy() for n, p in self.model.named_parameters()}
+        self.opt.step()
+        params = {n: p.detach().numpy().copy() for n, p in self.model.named_parameters()}
+        return StepTrace(loss.item(), grads, params)
+
+
+class JaxRunner:
+    def __init__(self, name: str, cfg, world):
+        import jax  # noqa: PLC0415
+        import optax  # noqa: PLC0415
+        from flax import nnx  # noqa: PLC0415
+
+        from portddp.jax import DistributedDataParallel  # noqa: PLC0415
+
+        self.name, self.cfg, self.world = name, cfg, world
+        twin = build_twin(cfg.model, cfg.size, cfg.dtype, cfg.seed)
+        if cfg.model == "gpt":
+            _batch.block = twin.args["cfg"].block_size
+        self.rules = [r for r in rules_for(twin.torch_model) if r.is_param]
+        graphdef, params, rest = nnx.split(twin.nnx_model, nnx.Param, ...)
+
+        def loss_fn(p, batch):
+            x, y = batch
+            return jax_loss(nnx.merge(graphdef, p, rest)(x), y)
+
+        self.global_loss = name == "jax-ref"
+        if self.global_loss:
+            self.grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+        else:
+            ddp = DistributedDataParallel(params, bucket_cap_mb=cfg.bucket_cap_mb,
+                                          first_bucket_cap_mb=cfg.bucket_cap_mb / 4,
+                                          strategy=name.removeprefix("jax-"), order=jax_order(twin.torch_model, params))
+            params = ddp.broadcast(params)
+            self.grad_fn = ddp.value_and_grad(loss_fn)
+        if cfg.optimizer == "sgd":
+            opt = optax.sgd(cfg.lr, momentum=0.9)
+        else:
+            opt = optax.adamw(_adamw_lr(cfg), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+        self.params, self.state = params, opt.init(params)
+
+        def update(p, s, g):
+            updates, s = opt.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        self.update = jax.jit(update)
+        self._nnx = nnx
+
+    def to_torch(self, state) -> dict[str, np.ndarray]:
+        flat = {path: v for path, v in self._nnx.to_flat_state(state)}
+        out = {}
+        for r in self.rules:
+            v = flat[r.nnx_path]
+            out[r.torch_name] = np.array(r.to_torch(np.asarray(v.get_value() if hasattr(v, "get_value") else v)))
+        return out
+
+    def step(self, k: int) -> StepTrace:
+        batch = _batch(self.cfg, self.world, k, whole=self.global_loss)
+        loss, grads = self.grad_fn(self.params, batch)
+        self.params, self.state = self.update(self.params, self.state, grads)
+        return StepTrace(float(loss), self.to_torch(grads), self.to_torch(self.params))
+
+
+def make_runner(name: str, cfg, world):
+    return (JaxRunner if name.startswith("jax") else TorchRunner)(name, cfg, world)
