@@ -86,7 +86,11 @@ def main(argv=None) -> int:
 
     transport = get_transport()
     ref_name = reference_of(cfg)
-    order = [ref_name] + [i for i in cfg.impls if i != ref_name]
+    impls = [i for i in cfg.impls if not (cfg.model == "cnn" and i.endswith("-ref"))]
+    if len(impls) < len(cfg.impls):
+        say = print if world.rank == 0 else (lambda *a, **k: None)
+        say("cnn: single-process references skipped -- BatchNorm uses each rank's own batch statistics")
+    order = [ref_name] + [i for i in impls if i != ref_name]
     say = print if world.rank == 0 else (lambda *a, **k: None)
     say(f"equivalence: {cfg.model} ({cfg.size}), {cfg.dtype}, {cfg.optimizer}, {cfg.steps} steps, "
         f"{world.size} ranks, global batch {cfg.global_batch}; reference: {ref_name}")

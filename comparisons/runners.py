@@ -95,7 +95,10 @@ class JaxRunner:
 
         def loss_fn(p, batch):
             x, y = batch
-            return jax_loss(nnx.merge(graphdef, p, rest)(x), y)
+            # Fresh copies of the non-trainable state (BatchNorm statistics) inside the trace: BatchNorm
+            # updates them in training mode, and Flax refuses to mutate variables of an outer trace.
+            model = nnx.merge(graphdef, p, jax.tree.map(lambda v: v, rest))
+            return jax_loss(model(x), y)
 
         self.global_loss = name == "jax-ref"
         if self.global_loss:

@@ -17,9 +17,11 @@ class TorchCNN(nn.Module):
     def __init__(self, in_channels: int = 1, channels: tuple[int, int] = (8, 16), num_classes: int = 10):
         super().__init__()
         c1, c2 = channels
-        self.conv1 = nn.Conv2d(in_channels, c1, 3, padding=1)
+        # No conv bias: BatchNorm subtracts the mean right after, so its gradient would be
+        # rounding noise -- which Adam would then amplify into lr-sized steps.
+        self.conv1 = nn.Conv2d(in_channels, c1, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(c1)
-        self.conv2 = nn.Conv2d(c1, c2, 3, padding=1)
+        self.conv2 = nn.Conv2d(c1, c2, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(c2)
         self.head = nn.Linear(c2, num_classes)
 
@@ -36,10 +38,10 @@ def nnx_cnn(in_channels: int = 1, channels: tuple[int, int] = (8, 16), num_class
     class NnxCNN(nnx.Module):
         def __init__(self, rngs: nnx.Rngs):
             c1, c2 = channels
-            self.conv1 = nnx.Conv(in_channels, c1, (3, 3), padding=1, rngs=rngs)
+            self.conv1 = nnx.Conv(in_channels, c1, (3, 3), padding=1, use_bias=False, rngs=rngs)
             # Flax's momentum is PyTorch's (1 - momentum); epsilon matches PyTorch's 1e-5.
             self.bn1 = nnx.BatchNorm(c1, momentum=0.9, epsilon=1e-5, rngs=rngs)
-            self.conv2 = nnx.Conv(c1, c2, (3, 3), padding=1, rngs=rngs)
+            self.conv2 = nnx.Conv(c1, c2, (3, 3), padding=1, use_bias=False, rngs=rngs)
             self.bn2 = nnx.BatchNorm(c2, momentum=0.9, epsilon=1e-5, rngs=rngs)
             self.head = nnx.Linear(c2, num_classes, rngs=rngs)
 
