@@ -77,7 +77,7 @@ def test_buckets_overlap_backward_only_when_asked(results, transport):
 
 # --------------------------------------------------------------- bad input
 BAD = [
-    ("shape_mismatch", TRANSPORTS, r"parameter #2 is '1\.weight' \(8, 8\) float32 on rank 0 but '1\.weight' \(9, 8\)"),
+    ("shape_mismatch", TRANSPORTS, r"model mismatch across ranks: parameter #2 is '1\.weight' \(8, 8\) float32 on rank 0 but '1\.weight' \(9, 8\)"),
     ("count_mismatch", TRANSPORTS, r"rank 0 has 4 trainable parameters, rank \d has 6; the first one only rank \d has is '2\.weight'"),
     ("unused_some_ranks", TRANSPORTS, r"no gradient .*'branch\.weight' \(on 1 of \d ranks\).*find_unused_parameters=True"),
     ("unused_all_ranks", TRANSPORTS, r"no gradient .*'branch\.weight' \(on (\d) of \1 ranks\).*find_unused_parameters=True"),

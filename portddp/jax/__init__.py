@@ -3,10 +3,11 @@
 Mirrors `portddp.torch`: the same public names, so the two can be read side by side.
 """
 
-from portddp.jax.ddp import STRATEGIES, DistributedDataParallel, GradBucket
+from portddp.jax.ddp import STRATEGIES, Canonical, DistributedDataParallel, GradBucket
 from portddp.jax.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 
 __all__ = [
+    "Canonical",
     "DistributedDataParallel",
     "GradBucket",
     "STRATEGIES",

@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from portddp.buckets import Bucket, BucketPlan, ParamSpec, cap_bytes, plan_buckets
+from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
 from portddp.jax import compiled
+from portddp.protocol import check_same_specs, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import get_transport
 
-__all__ = ["DistributedDataParallel", "GradBucket", "STRATEGIES"]
+__all__ = ["Canonical", "DistributedDataParallel", "GradBucket", "STRATEGIES"]
 
 STRATEGIES = ("hooked", "compiled", "pmap")
 TRANSPORTS = ("mpi",)
@@ -87,27 +89,32 @@ class DistributedDataParallel:
         order: parameter names (jax.tree_util.keystr of each leaf path) in
             registration order; default: the pytree's leaf order. Give the twin
             PyTorch model's order to get its identical plan.
+        canonical: instead of `order`, a list of Canonical(leaf, name, perm) in
+            registration order: the PyTorch twin's names and layout, for jobs
+            that mix frameworks.
         pmap_devices: strategy="pmap" only: how many local devices (default all).
     """
 
     def __init__(self, params, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
-                 pmap_devices: int | None = None):
+                 canonical=None, pmap_devices: int | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}: portddp.jax supports {TRANSPORTS}")
+        if order is not None and canonical is not None:
+            raise ValueError("pass order= or canonical= (which implies the order), not both")
         cap_bytes(bucket_cap_mb, "bucket_cap_mb")
         cap_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
         self.strategy, self.transport, self.overlap = strategy, transport, overlap
         self.bucket_cap_mb, self.first_bucket_cap_mb = bucket_cap_mb, first_bucket_cap_mb
 
         paths, self._treedef = jax.tree_util.tree_flatten_with_path(params)
-        self._names = [jax.tree_util.keystr(p) for p, _ in paths]
+        leaf_names = [jax.tree_util.keystr(p) for p, _ in paths]
         leaves = [leaf for _, leaf in paths]
         if not leaves:
             raise ValueError("DistributedDataParallel needs a pytree with at least one array leaf")
-        not_float = [(n, np.dtype(x.dtype).name) for n, x in zip(self._names, leaves)
+        not_float = [(n, np.dtype(x.dtype).name) for n, x in zip(leaf_names, leaves)
                      if not jnp.issubdtype(x.dtype, jnp.floating)]
         if not_float:
             raise ValueError(
@@ -115,7 +122,18 @@ class DistributedDataParallel:
                 "trainable floating-point parameters (for Flax NNX: nnx.state(model, nnx.Param)) and keep "
                 f"integer state elsewhere ({len(not_float)} such leaves)"
             )
-        self._specs = [ParamSpec(n, tuple(np.shape(x)), np.dtype(x.dtype).name) for n, x in zip(self._names, leaves)]
+        self._leaf_shapes = [tuple(np.shape(x)) for x in leaves]
+        self._leaf_dtypes = [np.dtype(x.dtype).name for x in leaves]
+        self._leaf_names = leaf_names
+        # Everything below works on parameter k = the k-th in registration order, in
+        # the canonical layout; _leaf_of[k] and _perm[k] lead back to the pytree.
+        canonical = canonical if canonical is not None else [
+            Canonical(leaf_names[i], leaf_names[i], None) for i in self._registration_order(order)]
+        self._leaf_of = self._leaf_indices([c.leaf for c in canonical])
+        self._perm = [c.perm for c in canonical]
+        self._names = [c.name for c in canonical]
+        specs = self._specs_of(params)
+
         if strategy == "pmap":
             # This process's devices are the ranks: no other process, no MPI.
             self._transport = None
@@ -123,19 +141,16 @@ class DistributedDataParallel:
         else:
             self._transport = get_transport()
             self.world_size, self.rank = self._transport.size, self._transport.rank
-            self._verify_same_params(self._specs)
+            self._verify_same_params(specs)
             if strategy == "compiled":
                 compiled.process_devices(self.world_size)  # fails early without jax.distributed
         self._inv_world = 1.0 / self.world_size
-
-        registration = self._registration_order(order)
-        ordered = [self._specs[i] for i in registration]
-        plan = plan_buckets(ordered, bucket_cap_mb, first_bucket_cap_mb)
-        # Re-express the plan over leaf indices (the pytree's own order).
-        self._install_plan(_reindex(plan, registration, tuple(self._specs)))
         self._hook = None
         self._hook_state = None
         self._lock = threading.Lock()
+        self._install_plan(plan_buckets(specs, bucket_cap_mb, first_bucket_cap_mb))
+        self._rebuilt = strategy != "hooked"  # XLA schedules the other strategies: nothing to rebuild
+        self._rebuild_order: list[int] | None = None
         self._last_events: IterationEvents | None = None
         self._iterations = 0
         self._iteration_time = 0.0
@@ -144,46 +159,45 @@ class DistributedDataParallel:
     # ------------------------------------------------------------------ setup
     def _registration_order(self, order) -> list[int]:
         if order is None:
-            return list(range(len(self._names)))
-        index = {n: i for i, n in enumerate(self._names)}
-        unknown = [n for n in order if n not in index]
-        if unknown or len(order) != len(index) or len(set(order)) != len(order):
-            missing = sorted(set(index) - set(order))
+            return list(range(len(self._leaf_names)))
+        return self._leaf_indices(order, what="order")
+
+    def _leaf_indices(self, names, what: str = "canonical") -> list[int]:
+        index = {n: i for i, n in enumerate(self._leaf_names)}
+        unknown = [n for n in names if n not in index]
+        if unknown or len(names) != len(index) or len(set(names)) != len(names):
+            missing = sorted(set(index) - set(names))
             raise ValueError(
-                f"order must list every parameter name exactly once; unknown: {unknown[:5]}, "
-                f"missing: {missing[:5]} (names are jax.tree_util.keystr of the leaf paths, e.g. {self._names[0]!r})"
+                f"{what} must list every parameter name exactly once; unknown: {unknown[:5]}, missing: "
+                f"{missing[:5]} (names are jax.tree_util.keystr of the leaf paths, e.g. {self._leaf_names[0]!r})"
             )
-        return [index[n] for n in order]
+        return [index[n] for n in names]
+
+    def _specs_of(self, tree) -> list[ParamSpec]:
+        """The (name, shape, dtype) of each parameter of `tree` in registration order and canonical
+        layout -- or, for a tree of another structure, of each leaf (and the check will say where)."""
+        paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        if treedef != self._treedef:
+            return [ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), np.dtype(x.dtype).name) for p, x in paths]
+        return [ParamSpec(self._names[k], _permuted(tuple(np.shape(paths[i][1])), self._perm[k]),
+                          np.dtype(paths[i][1].dtype).name) for k, i in enumerate(self._leaf_of)]
 
     def _verify_same_params(self, specs: list[ParamSpec]) -> None:
-        """Compare every rank's leaves with rank 0's; name the first differing key path."""
-        mine = [(s.name, s.shape, s.dtype) for s in specs]
-        everyone = self._transport.allgather_object(mine)
-        ref = everyone[0]
-        for r, theirs in enumerate(everyone[1:], start=1):
-            for k, (a, b) in enumerate(zip(ref, theirs)):
-                if a != b:
-                    raise ValueError(
-                        f"parameter pytrees differ across ranks: leaf #{k} is {a[0]} {a[1]} {a[2]} on rank 0 but "
-                        f"{b[0]} {b[1]} {b[2]} on rank {r}; every rank must build the same parameters"
-                    )
-            if len(ref) != len(theirs):
-                longer, r_long = (ref, 0) if len(ref) > len(theirs) else (theirs, r)
-                raise ValueError(
-                    f"parameter pytrees differ across ranks: rank 0 has {len(ref)} leaves, rank {r} has "
-                    f"{len(theirs)}; the first one only rank {r_long} has is {longer[min(len(ref), len(theirs))][0]}"
-                )
+        """Compare every rank's parameters with rank 0's; name the first differing key path."""
+        everyone = self._transport.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
+        check_same_specs(everyone, "parameter pytrees differ across ranks", "leaf", "leaves")
 
     def _install_plan(self, plan: BucketPlan) -> None:
         self._plan = plan
         self._buffers = [np.zeros(b.numel, dtype=jnp.dtype(b.dtype)) for b in plan.buckets]
         self._grad_buckets = [
-            GradBucket(b, buf, [self._names[i] for i in plan.buckets[b].params], len(plan.buckets), self._transport,
+            GradBucket(b, buf, [self._names[k] for k in plan.buckets[b].params], len(plan.buckets), self._transport,
                        self.world_size)
             for b, buf in enumerate(self._buffers)
         ]
         self._taps = [self._make_tap(b) for b in range(len(plan.buckets))]
         self._reduce_step = None
+        self._steps: dict = {}  # jitted steps, per loss_fn, traced with this plan's taps
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -200,12 +214,11 @@ class DistributedDataParallel:
 
     # ------------------------------------------------------------- broadcast
     def broadcast(self, params):
-        """Rank 0's values of `params` on every rank (same structure, shapes, dtypes checked)."""
+        """Rank 0's values of `params` on every rank, after checking every rank passes the same
+        structure, shapes and dtypes (the same exchange as portddp.torch's, portddp.protocol)."""
         if self._transport is not None:
             # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
-            paths, _ = jax.tree_util.tree_flatten_with_path(params)
-            self._verify_same_params([ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), np.dtype(x.dtype).name)
-                                      for p, x in paths])
+            self._verify_same_params(self._specs_of(params))
         leaves = self._leaves_of(params)
         if self.strategy == "pmap":
             return params  # one process: its values are rank 0's
@@ -215,36 +228,42 @@ class DistributedDataParallel:
                 self._transport.broadcast(self._buffers[b], root=0).wait()
         return self._unpack()
 
-    def _leaves_of(self, tree) -> list:
+    def _leaves_of(self, tree) -> dict[int, object]:
+        """{parameter index k: its leaf}, after checking the tree is the one we were built with."""
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != self._treedef:
             raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
                              f" got {treedef}, expected {self._treedef}")
-        for spec, leaf in zip(self._specs, leaves):
-            if tuple(np.shape(leaf)) != spec.shape or np.dtype(leaf.dtype).name != spec.dtype:
-                raise ValueError(f"leaf {spec.name} is {np.shape(leaf)} {np.dtype(leaf.dtype).name}; "
-                                 f"expected {spec.shape} {spec.dtype}")
-        return leaves
+        for name, shape, dtype, leaf in zip(self._leaf_names, self._leaf_shapes, self._leaf_dtypes, leaves):
+            if tuple(np.shape(leaf)) != shape or np.dtype(leaf.dtype).name != dtype:
+                raise ValueError(f"leaf {name} is {np.shape(leaf)} {np.dtype(leaf.dtype).name}; "
+                                 f"expected {shape} {dtype}")
+        return {k: leaves[i] for k, i in enumerate(self._leaf_of)}
 
-    def _pack(self, b: int, leaves, divide: bool) -> None:
-        """Copy the bucket's leaves into its flat buffer, divided by the world size if asked."""
+    def _pack(self, b: int, leaves: dict, divide: bool) -> None:
+        """Copy bucket b's parameters (canonical layout) into its flat buffer, divided if asked."""
         buf, bucket = self._buffers[b], self._plan.buckets[b]
-        for i, off in zip(bucket.params, bucket.offsets):
-            dst = buf[off:off + self._specs[i].numel]
-            src = np.asarray(leaves[i]).reshape(-1)
+        for k, off in zip(bucket.params, bucket.offsets):
+            src = np.asarray(leaves[k])
+            if self._perm[k] is not None:
+                src = src.transpose(self._perm[k])
+            dst = buf[off:off + src.size].reshape(src.shape)
             if divide:
                 np.multiply(src, self._inv_world, out=dst, casting="unsafe")
             else:
                 dst[...] = src
 
     def _unpack(self):
-        """A new pytree of jax arrays holding the buffers' contents."""
-        out = [None] * len(self._specs)
+        """A new pytree of jax arrays holding the buffers' contents, in the pytree's own layout."""
+        out = [None] * len(self._leaf_names)
         for buf, bucket in zip(self._buffers, self._plan.buckets):
-            for i, off in zip(bucket.params, bucket.offsets):
-                spec = self._specs[i]
+            for k, off in zip(bucket.params, bucket.offsets):
+                spec = self._plan.specs[k]
+                value = buf[off:off + spec.numel].reshape(spec.shape)
+                if self._perm[k] is not None:
+                    value = value.transpose(np.argsort(self._perm[k]))
                 # Copy: the buffer is reused by the next iteration.
-                out[i] = jnp.array(buf[off:off + spec.numel].reshape(spec.shape), copy=True)
+                out[self._leaf_of[k]] = jnp.array(value, copy=True)
         return jax.tree_util.tree_unflatten(self._treedef, out)
 
     # --------------------------------------------------------------- backward
@@ -292,9 +311,9 @@ class DistributedDataParallel:
         """Host side of bucket b's tap: pack, mark ready, launch what the plan order allows."""
         now = _now()
         bucket = self._plan.buckets[b]
-        leaves = dict(zip(bucket.params, grads))
-        self._pack(b, leaves, divide=self._hook is None)
+        self._pack(b, dict(zip(bucket.params, grads)), divide=self._hook is None)
         with self._lock:  # XLA may run independent callbacks on different threads
+            self._ready_order.extend(bucket.params)
             self._events.buckets[b].ready_ns = now
             self._events.backward_end_ns = max(self._events.backward_end_ns, now)
             self._ready[b] = True
@@ -324,6 +343,7 @@ class DistributedDataParallel:
         self._ready = [False] * n
         self._next_launch = 0
         self._handles: list = [None] * n
+        self._ready_order: list[int] = []
         self._events = IterationEvents(
             rank=self.rank, forward_start_ns=_now(),
             buckets=[BucketEvents(b, buf.nbytes) for b, buf in enumerate(self._buffers)])
@@ -336,14 +356,39 @@ class DistributedDataParallel:
                 raise RuntimeError(f"buckets {missing} never received their gradients: was the loss computed "
                                    "with the params passed to the gradient function?")
             self._launch_ready_buckets()
+        # After the buckets, as portddp.torch does: how many ranks produced each gradient. A JAX
+        # rank always has all of them; a PyTorch rank in the same job may not (portddp.protocol).
+        used = np.ones(len(self._names), np.int32)
+        used_handle = self._transport.allreduce(used) if self.world_size > 1 else None
         for b, handle in enumerate(self._handles):
             if handle is not None:
                 handle.wait()
                 self._events.buckets[b].done_ns = handle.done_ns
+        if used_handle is not None:
+            used_handle.wait()
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
+        if not self._rebuilt and self._rebuild_order is None:
+            self._rebuild_order = self._ready_order
+        if used.min() < self.world_size:
+            raise unused_parameters_error(self._names, used.tolist(), self.world_size, self.rank,
+                                          [1] * len(self._names))
         return self._unpack()
+
+    def _maybe_rebuild(self) -> None:
+        """Once, at the call after the first synchronised one: re-plan from rank 0's observed order
+        (broadcast), as portddp.torch does at its next forward."""
+        if self._rebuild_order is None:
+            return
+        order = np.full(len(self._names), -1, np.int64)
+        order[: len(self._rebuild_order)] = self._rebuild_order
+        if self.world_size > 1:
+            self._transport.broadcast(order, root=0).wait()
+        self._install_plan(rebuild_plan(self._plan, [int(i) for i in order if i >= 0], self.bucket_cap_mb,
+                                        self.first_bucket_cap_mb))
+        self._rebuild_order = None
+        self._rebuilt = True
 
     def value_and_grad(self, loss_fn):
         """`grad_fn(params, batch, sync=True) -> (loss, grads)`: grads are the mean over
@@ -359,6 +404,7 @@ class DistributedDataParallel:
             synced = self._timed(compiled.make_step(self, loss_fn))
 
         def grad_fn(params, batch, sync: bool = True):
+            self._maybe_rebuild()
             return synced(params, batch) if sync else local(params, batch)
 
         return grad_fn
@@ -376,31 +422,34 @@ class DistributedDataParallel:
 
     def psum_buckets(self, leaves: list, axis_name: str) -> list:
         """Inside a compiled step: each bucket flattened, divided by the world size,
-        summed with one psum, and split back. Returns the new leaf list."""
+        summed with one psum, and split back. Takes and returns the pytree's leaf list
+        (only JAX processes take part, so the pytree's own layout will do)."""
         out = list(leaves)
         for bucket in self._plan.buckets:
-            flat = jnp.concatenate([leaves[i].reshape(-1) for i in bucket.params])
+            flat = jnp.concatenate([leaves[self._leaf_of[k]].reshape(-1) for k in bucket.params])
             # Divide before the sum, as the hooked strategy and PyTorch do.
             flat = jax.lax.psum(flat * jnp.asarray(self._inv_world, flat.dtype), axis_name)
-            for i, off in zip(bucket.params, bucket.offsets):
-                spec = self._specs[i]
-                out[i] = flat[off:off + spec.numel].reshape(spec.shape)
+            for k, off in zip(bucket.params, bucket.offsets):
+                i = self._leaf_of[k]
+                out[i] = flat[off:off + self._plan.specs[k].numel].reshape(self._leaf_shapes[i])
         return out
 
     def _hooked_step(self, loss_fn):
         loss_tap = self._loss_tap()
 
         def tapped(params, batch):
+            # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (below).
             leaves = list(jax.tree_util.tree_leaves(params))
             for b, bucket in enumerate(self._plan.buckets):
-                tapped_leaves = self._taps[b]([leaves[i] for i in bucket.params])
-                for i, leaf in zip(bucket.params, tapped_leaves):
-                    leaves[i] = leaf
+                tapped_leaves = self._taps[b]([leaves[self._leaf_of[k]] for k in bucket.params])
+                for k, leaf in zip(bucket.params, tapped_leaves):
+                    leaves[self._leaf_of[k]] = leaf
             return loss_tap(loss_fn(jax.tree_util.tree_unflatten(self._treedef, leaves), batch))
 
-        synced = jax.jit(jax.value_and_grad(tapped))
-
         def step(params, batch):
+            synced = self._steps.get(id(tapped))
+            if synced is None:  # first call, or the plan was rebuilt
+                synced = self._steps[id(tapped)] = jax.jit(jax.value_and_grad(tapped))
             self._begin_iteration()
             loss, local_grads = synced(params, batch)
             jax.block_until_ready(local_grads)  # every tap's callback has run
@@ -410,6 +459,7 @@ class DistributedDataParallel:
 
     def reduce(self, grads):
         """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order."""
+        self._maybe_rebuild()
         leaves = self._leaves_of(grads)
         if self.strategy != "hooked":
             if self._reduce_step is None:
@@ -435,8 +485,25 @@ class DistributedDataParallel:
             "iteration_time": (ev.finalize_end_ns - ev.forward_start_ns) * 1e-9,
             "num_buckets": len(ev.buckets),
             "iterations": self._iterations,
+            "plan_rebuilt": self._rebuilt,
             "events": ev,
         }
+
+
+class Canonical(NamedTuple):
+    """How one pytree leaf appears in the bucket plan: under `name`, transposed by `perm`.
+
+    With these, a JAX rank uses the exact names, shapes and flat layout of a
+    PyTorch twin (portddp.models.jax_canonical builds them), which is what lets
+    one job mix the two frameworks (comparisons/mixed.py)."""
+
+    leaf: str  # jax.tree_util.keystr of the leaf's path
+    name: str  # the name every rank agrees on, e.g. the PyTorch parameter name
+    perm: tuple[int, ...] | None  # canonical array = leaf.transpose(perm); None: as is
+
+
+def _permuted(shape: tuple[int, ...], perm) -> tuple[int, ...]:
+    return shape if perm is None else tuple(shape[p] for p in perm)
 
 
 def _scalar_loss(loss_fn):
@@ -450,10 +517,3 @@ def _scalar_loss(loss_fn):
         return loss
 
     return checked
-
-
-def _reindex(plan: BucketPlan, registration: list[int], specs: tuple[ParamSpec, ...]) -> BucketPlan:
-    """The same buckets, with param indices into the leaf list instead of the registration list."""
-    buckets = tuple(Bucket(tuple(registration[p] for p in b.params), b.offsets, b.numel, b.dtype, b.device,
-                           b.cap_bytes) for b in plan.buckets)
-    return BucketPlan(specs, buckets)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
+from portddp.protocol import check_same_specs, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
 
@@ -134,13 +135,12 @@ class DistributedDataParallel(nn.Module):
         self.rank = self._comm.rank
         self._inv_world = 1.0 / self.world_size
         self._verify_same_model(specs)
-        # Ranks start identical: rank 0's parameters and buffers everywhere.
-        if self.world_size > 1:
-            self._comm.broadcast_(self._params + self._module_buffers, src=0)
-
         self._hook = None
         self._hook_state = None
         self._install_plan(plan_buckets(specs, bucket_cap_mb, first_bucket_cap_mb))
+        # Ranks start identical: rank 0's parameters and buffers everywhere.
+        if self.world_size > 1:
+            self._broadcast_state()
         self._rebuilt = False
         self._rebuild_order: list[int] | None = None
         self._sync = False
@@ -153,25 +153,18 @@ class DistributedDataParallel(nn.Module):
     # ------------------------------------------------------------------ setup
     def _verify_same_model(self, specs: list[ParamSpec]) -> None:
         """Compare every rank's parameter list with rank 0's; name the first difference."""
-        mine = [(s.name, s.shape, s.dtype) for s in specs]
-        everyone = self._comm.allgather_object(mine)
-        ref = everyone[0]
-        for r, theirs in enumerate(everyone[1:], start=1):
-            for k, (a, b) in enumerate(zip(ref, theirs)):
-                if a != b:
-                    raise RuntimeError(
-                        f"model mismatch across ranks: parameter #{k} is {a[0]!r} {a[1]} {a[2]} on rank 0 "
-                        f"but {b[0]!r} {b[1]} {b[2]} on rank {r}; every rank must build the same model "
-                        "before wrapping it in DistributedDataParallel"
-                    )
-            if len(ref) != len(theirs):
-                longer, r_long = (ref, 0) if len(ref) > len(theirs) else (theirs, r)
-                first = longer[min(len(ref), len(theirs))][0]
-                raise RuntimeError(
-                    f"model mismatch across ranks: rank 0 has {len(ref)} trainable parameters, rank {r} has "
-                    f"{len(theirs)}; the first one only rank {r_long} has is {first!r}. Every rank must build "
-                    "the same model before wrapping it in DistributedDataParallel"
-                )
+        everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
+        check_same_specs(everyone, "model mismatch across ranks", "parameter", "trainable parameters")
+
+    def _broadcast_state(self) -> None:
+        """Rank 0's parameters (bucket by bucket, after agreeing again) and buffers everywhere.
+
+        The same exchange as portddp.jax's broadcast() (see portddp.protocol)."""
+        self._verify_same_model(list(self._plan.specs))
+        for bucket in self._plan.buckets:
+            self._comm.broadcast_([self._params[i] for i in bucket.params], src=0)
+        if self._module_buffers:
+            self._comm.broadcast_(self._module_buffers, src=0)
 
     def _install_plan(self, plan: BucketPlan) -> None:
         """Allocate one flat buffer per bucket and a view of it per parameter."""
@@ -369,15 +362,7 @@ class DistributedDataParallel(nn.Module):
         self._write_grads(counts)
 
     def _raise_unused(self, counts: list[int]) -> None:
-        lost = [(self._names[i], c) for i, c in enumerate(counts) if c < self.world_size]
-        here = [self._names[i] for i, s in enumerate(self._seen) if not s]
-        shown = ", ".join(f"{n!r} (on {self.world_size - c} of {self.world_size} ranks)" for n, c in lost[:10])
-        raise RuntimeError(
-            f"parameters received no gradient in this backward pass: {shown}"
-            + (f" (+{len(lost) - 10} more)" if len(lost) > 10 else "")
-            + f"; on this rank ({self.rank}): {here or 'none'}. If parameters may go unused, pass "
-            "find_unused_parameters=True; if they are never used, set requires_grad=False on them"
-        )
+        raise unused_parameters_error(self._names, counts, self.world_size, self.rank, self._seen)
 
     def _write_grads(self, counts: list[int]) -> None:
         for i, p in enumerate(self._params):
