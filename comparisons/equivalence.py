@@ -31,7 +31,7 @@ from portddp.launch import detect
 from experiments.common import environment, parse_config, write_result
 
 IMPLS = ("torch-ref", "native-ddp", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "jax-ref")
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "sgd-unfused")  # sgd-unfused: see comparisons/runners.py
 BOUNDS = {"float64": 1e-10, "float32": 1e-4}
 """float64: DESIGN.md. float32: what two frameworks' different kernels give on these models -- measured
 worst case over mlp/cnn/gpt, SGD and AdamW, n=2 and 3 is recorded in the README; the bound keeps a margin."""

@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from portddp.data import global_batch, model_batch
-from portddp.models import build_twin, jax_loss, jax_order, rules_for, torch_loss
+from portddp.models import build_twin, jax_canonical, jax_loss, rules_for, torch_loss
 
 __all__ = ["StepTrace", "make_runner"]
 
@@ -36,6 +36,31 @@ def _batch(cfg, world, step: int, whole: bool):
 
 def _adamw_lr(cfg) -> float:
     return cfg.lr / 10  # Adam's steps are lr-sized whatever the gradient: keep them small
+
+
+class UnfusedSGD:
+    """SGD with momentum computed the way optax.sgd computes it, one rounding per operation:
+    trace = g + m * trace; p = p + (-lr * trace). torch.optim.SGD fuses `p + a * b` into one
+    rounding, so after a step a PyTorch rank and a JAX rank would differ in the last bit;
+    with this they stay bitwise equal (comparisons/mixed.py)."""
+
+    def __init__(self, params, lr: float, momentum: float):
+        import torch  # noqa: PLC0415
+
+        self.params, self.lr, self.momentum = params, lr, momentum
+        self.traces = [torch.zeros_like(p) for p in params]
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        import torch  # noqa: PLC0415
+
+        with torch.no_grad():
+            for p, t in zip(self.params, self.traces):
+                t.mul_(self.momentum).add_(p.grad)
+                p.add_(t * -self.lr)
 
 
 class TorchRunner:
@@ -61,10 +86,17 @@ class TorchRunner:
                                                    transport=name.removeprefix("torch-"))
         if cfg.optimizer == "sgd":
             self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=0.9)
+        elif cfg.optimizer == "sgd-unfused":
+            self.opt = UnfusedSGD(list(self.model.parameters()), lr=cfg.lr, momentum=0.9)
         else:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=_adamw_lr(cfg), betas=(0.9, 0.999), eps=1e-8,
                                          weight_decay=0.01)
         self._torch = torch
+
+    def plan_signature(self):
+        """The bucket plan as plain data, for checking every rank uses the same one."""
+        plan = getattr(self.wrapped, "bucket_plan", None)
+        return None if plan is None else plan.to_json()
 
     def step(self, k: int) -> StepTrace:
         torch = self._torch
@@ -104,12 +136,15 @@ class JaxRunner:
         if self.global_loss:
             self.grad_fn = jax.jit(jax.value_and_grad(loss_fn))
         else:
+            # The PyTorch twin's names and layout: the same plan and flat buckets, so that a JAX
+            # rank can even share a job with PyTorch ranks (comparisons/mixed.py).
             ddp = DistributedDataParallel(params, bucket_cap_mb=cfg.bucket_cap_mb,
                                           first_bucket_cap_mb=cfg.bucket_cap_mb / 4,
-                                          strategy=name.removeprefix("jax-"), order=jax_order(twin.torch_model, params))
+                                          strategy=name.removeprefix("jax-"),
+                                          canonical=jax_canonical(twin.torch_model, params))
             params = ddp.broadcast(params)
             self.grad_fn = ddp.value_and_grad(loss_fn)
-        if cfg.optimizer == "sgd":
+        if cfg.optimizer in ("sgd", "sgd-unfused"):
             opt = optax.sgd(cfg.lr, momentum=0.9)
         else:
             opt = optax.adamw(_adamw_lr(cfg), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
@@ -119,8 +154,13 @@ class JaxRunner:
             updates, s = opt.update(g, s, p)
             return optax.apply_updates(p, updates), s
 
-        self.update = jax.jit(update)
+        # sgd-unfused runs op by op: jitted, XLA contracts `p + -lr * t` into one fused multiply-add.
+        self.update = update if cfg.optimizer == "sgd-unfused" else jax.jit(update)
         self._nnx = nnx
+        self.ddp = None if self.global_loss else ddp
+
+    def plan_signature(self):
+        return None if self.ddp is None else self.ddp.bucket_plan.to_json()
 
     def to_torch(self, state) -> dict[str, np.ndarray]:
         flat = {path: v for path, v in self._nnx.to_flat_state(state)}

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 from portddp.models.cnn import TorchCNN, nnx_cnn
-from portddp.models.convert import canonical_specs, jax_order, nnx_to_torch, rules_for, torch_to_nnx
+from portddp.models.convert import (canonical_specs, jax_canonical, jax_order, nnx_to_torch, rules_for,
+                                    torch_to_nnx)
 from portddp.models.gpt import GPTConfig, TorchGPT, nnx_gpt
 from portddp.models.mlp import TorchMLP, nnx_mlp
 
 __all__ = ["MODELS", "SIZES", "Twin", "build_twin", "torch_loss", "jax_loss", "TorchMLP", "TorchCNN", "TorchGPT", "GPTConfig",
-           "canonical_specs", "jax_order", "nnx_to_torch", "rules_for", "torch_to_nnx"]
+           "canonical_specs", "jax_canonical", "jax_order", "nnx_to_torch", "rules_for", "torch_to_nnx"]
 
 MODELS = ("mlp", "cnn", "gpt")
 SIZES = ("tiny", "bench")

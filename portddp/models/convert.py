@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 from torch import nn
 
-__all__ = ["Rule", "rules_for", "torch_to_nnx", "nnx_to_torch", "canonical_specs", "jax_order"]
+__all__ = ["Rule", "rules_for", "torch_to_nnx", "nnx_to_torch", "canonical_specs", "jax_order", "jax_canonical"]
 
 _NORMS = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d)
 
@@ -138,3 +138,17 @@ def jax_order(torch_model: nn.Module, nnx_params) -> list[str]:
         keys = tuple(k for k in keys if k != "value")
         by_path[keys] = jax.tree_util.keystr(path)
     return [by_path[r.nnx_path] for r in rules_for(torch_model) if r.is_param]
+
+
+_PERMS = {"same": None, "linear": (1, 0), "conv": (3, 2, 0, 1)}
+"""For each layout: the transpose taking the NNX array to the PyTorch one."""
+
+
+def jax_canonical(torch_model: nn.Module, nnx_params) -> list:
+    """portddp.jax `canonical=` entries: each NNX parameter under its PyTorch name and layout,
+    in PyTorch registration order -- the plan and flat buckets of the PyTorch twin, exactly."""
+    from portddp.jax import Canonical  # noqa: PLC0415
+
+    leaves = jax_order(torch_model, nnx_params)
+    params = [r for r in rules_for(torch_model) if r.is_param]
+    return [Canonical(leaf, r.torch_name, _PERMS[r.layout]) for leaf, r in zip(leaves, params)]
