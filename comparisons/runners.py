@@ -25,15 +25,6 @@ class StepTrace:
     params: dict[str, np.ndarray]
 
 
-def _batch(cfg, world, step: int, whole: bool):
-    per_rank = cfg.global_batch // world.size
-    block = getattr(_batch, "block", 16)
-    if whole:
-        return global_batch(model_batch, world.size, cfg.model, cfg.seed, step, batch=per_rank, dtype=cfg.dtype,
-                            block_size=block)
-    return model_batch(cfg.model, cfg.seed, step, world.rank, per_rank, dtype=cfg.dtype, block_size=block)
-
-
 def _adamw_lr(cfg) -> float:
     return cfg.lr / 10  # Adam's steps are lr-sized whatever the gradient: keep them small
 
@@ -63,19 +54,33 @@ class UnfusedSGD:
                 p.add_(t * -self.lr)
 
 
-class TorchRunner:
+class _Runner:
+    """What every runner shares: its twin (fresh, from the seed) and its batches."""
+
+    def __init__(self, name: str, cfg, world, reference: str):
+        self.name, self.cfg, self.world = name, cfg, world
+        self.twin = build_twin(cfg.model, cfg.size, cfg.dtype, cfg.seed)
+        self.block = self.twin.args["cfg"].block_size if cfg.model == "gpt" else 16
+        self.global_loss = name == reference  # the single-process references train on the global batch
+
+    def batch(self, step: int):
+        cfg, world = self.cfg, self.world
+        per_rank = cfg.global_batch // world.size
+        if self.global_loss:
+            return global_batch(model_batch, world.size, cfg.model, cfg.seed, step, batch=per_rank,
+                                dtype=cfg.dtype, block_size=self.block)
+        return model_batch(cfg.model, cfg.seed, step, world.rank, per_rank, dtype=cfg.dtype, block_size=self.block)
+
+
+class TorchRunner(_Runner):
     def __init__(self, name: str, cfg, world):
         import torch  # noqa: PLC0415
         from torch import nn  # noqa: PLC0415
 
         from portddp.torch import DistributedDataParallel  # noqa: PLC0415
 
-        self.name, self.cfg, self.world = name, cfg, world
-        twin = build_twin(cfg.model, cfg.size, cfg.dtype, cfg.seed)
-        if cfg.model == "gpt":
-            _batch.block = twin.args["cfg"].block_size
-        self.model = twin.torch_model
-        self.global_loss = name == "torch-ref"
+        super().__init__(name, cfg, world, reference="torch-ref")
+        self.model = self.twin.torch_model
         if name == "torch-ref":
             self.wrapped = self.model
         elif name == "native-ddp":
@@ -100,7 +105,7 @@ class TorchRunner:
 
     def step(self, k: int) -> StepTrace:
         torch = self._torch
-        x, y = (torch.from_numpy(a) for a in _batch(self.cfg, self.world, k, whole=self.global_loss))
+        x, y = (torch.from_numpy(a) for a in self.batch(k))
         self.opt.zero_grad()
         loss = torch_loss(self.wrapped(x), y)
         loss.backward()
@@ -110,7 +115,7 @@ class TorchRunner:
         return StepTrace(loss.item(), grads, params)
 
 
-class JaxRunner:
+class JaxRunner(_Runner):
     def __init__(self, name: str, cfg, world):
         import jax  # noqa: PLC0415
         import optax  # noqa: PLC0415
@@ -118,10 +123,8 @@ class JaxRunner:
 
         from portddp.jax import DistributedDataParallel  # noqa: PLC0415
 
-        self.name, self.cfg, self.world = name, cfg, world
-        twin = build_twin(cfg.model, cfg.size, cfg.dtype, cfg.seed)
-        if cfg.model == "gpt":
-            _batch.block = twin.args["cfg"].block_size
+        super().__init__(name, cfg, world, reference="jax-ref")
+        twin = self.twin
         self.rules = [r for r in rules_for(twin.torch_model) if r.is_param]
         graphdef, params, rest = nnx.split(twin.nnx_model, nnx.Param, ...)
 
@@ -132,7 +135,6 @@ class JaxRunner:
             model = nnx.merge(graphdef, p, jax.tree.map(lambda v: v, rest))
             return jax_loss(model(x), y)
 
-        self.global_loss = name == "jax-ref"
         if self.global_loss:
             self.grad_fn = jax.jit(jax.value_and_grad(loss_fn))
         else:
@@ -171,7 +173,7 @@ class JaxRunner:
         return out
 
     def step(self, k: int) -> StepTrace:
-        batch = _batch(self.cfg, self.world, k, whole=self.global_loss)
+        batch = self.batch(k)
         loss, grads = self.grad_fn(self.params, batch)
         self.params, self.state = self.update(self.params, self.state, grads)
         return StepTrace(float(loss), self.to_torch(grads), self.to_torch(self.params))

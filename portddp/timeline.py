@@ -63,6 +63,15 @@ class IterationEvents:
             "exposed_comm_time": max(0, last_done - self.backward_end_ns) * 1e-9,
         }
 
+    def stats(self) -> dict:
+        """What `ddp.stats()` returns on both frameworks: the metrics, the wall time from
+        forward start to usable gradients, and the events themselves."""
+        return self.metrics() | {
+            "iteration_time": (self.finalize_end_ns - self.forward_start_ns) * 1e-9,
+            "num_buckets": len(self.buckets),
+            "events": self,
+        }
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -269,41 +269,14 @@ class DistributedDataParallel:
     # --------------------------------------------------------------- backward
     def _make_tap(self, b: int):
         """Identity on bucket b's parameters whose backward launches bucket b."""
-
-        @jax.custom_vjp
-        def tap(leaves):
-            return leaves
-
-        def fwd(leaves):
-            return leaves, None
-
-        def bwd(_, grads):
-            io_callback(lambda *g: self._bucket_ready(b, g), jax.ShapeDtypeStruct((), jnp.int32), *grads,
-                        ordered=False)
-            return (grads,)
-
-        tap.defvjp(fwd, bwd)
-        return tap
+        return _host_tap(lambda *grads: self._bucket_ready(b, grads))
 
     def _loss_tap(self):
-        """Identity on the loss; its backward records the end of forward."""
+        """Identity on the loss whose backward records the end of forward. The loss itself is
+        handed to the callback, so that it cannot be scheduled before the forward is done."""
+        return _host_tap(self._forward_done, keep_primal=True)
 
-        @jax.custom_vjp
-        def tap(loss):
-            return loss
-
-        def fwd(loss):
-            return loss, loss
-
-        def bwd(loss, g):
-            # The loss is an argument so the callback cannot run before forward is done.
-            io_callback(self._forward_done, jax.ShapeDtypeStruct((), jnp.int32), loss, ordered=False)
-            return (g,)
-
-        tap.defvjp(fwd, bwd)
-        return tap
-
-    def _forward_done(self, _loss):
+    def _forward_done(self, *_):
         self._events.forward_end_ns = _now()
         return np.int32(0)
 
@@ -480,14 +453,7 @@ class DistributedDataParallel:
             return {"iteration_time": self._iteration_time, "iterations": self._iterations, "hlo": self._hlo}
         if self._last_events is None:
             return {}
-        ev = self._last_events
-        return ev.metrics() | {
-            "iteration_time": (ev.finalize_end_ns - ev.forward_start_ns) * 1e-9,
-            "num_buckets": len(ev.buckets),
-            "iterations": self._iterations,
-            "plan_rebuilt": self._rebuilt,
-            "events": ev,
-        }
+        return self._last_events.stats() | {"iterations": self._iterations, "plan_rebuilt": self._rebuilt}
 
 
 class Canonical(NamedTuple):
@@ -500,6 +466,26 @@ class Canonical(NamedTuple):
     leaf: str  # jax.tree_util.keystr of the leaf's path
     name: str  # the name every rank agrees on, e.g. the PyTorch parameter name
     perm: tuple[int, ...] | None  # canonical array = leaf.transpose(perm); None: as is
+
+
+def _host_tap(on_backward, keep_primal: bool = False):
+    """An identity function whose backward rule calls `on_backward` on the host (io_callback)
+    with the cotangents -- preceded by the primal value if `keep_primal` -- as soon as XLA has
+    computed them, and passes the cotangents on unchanged."""
+
+    @jax.custom_vjp
+    def tap(x):
+        return x
+
+    def fwd(x):
+        return x, (x if keep_primal else None)
+
+    def bwd(primal, g):
+        io_callback(on_backward, jax.ShapeDtypeStruct((), jnp.int32), *jax.tree.leaves((primal, g)), ordered=False)
+        return (g,)
+
+    tap.defvjp(fwd, bwd)
+    return tap
 
 
 def _permuted(shape: tuple[int, ...], perm) -> tuple[int, ...]:

@@ -393,11 +393,4 @@ class DistributedDataParallel(nn.Module):
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         if self._last_events is None:
             return {}
-        ev = self._last_events
-        return ev.metrics() | {
-            "iteration_time": (ev.finalize_end_ns - ev.forward_start_ns) * 1e-9,
-            "num_buckets": len(ev.buckets),
-            "iterations": self._iterations,
-            "plan_rebuilt": self._rebuilt,
-            "events": ev,
-        }
+        return self._last_events.stats() | {"iterations": self._iterations, "plan_rebuilt": self._rebuilt}
