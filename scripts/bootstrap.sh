@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv (the first time, and again whenever pyproject.toml changes), then run a task:
-#   bash scripts/bootstrap.sh demo          # the main job: 2-rank equivalence, mixed job, PyTorch and JAX timings
+#   bash scripts/bootstrap.sh demo          # the main job: 2-rank comparison -> reports/latest/report.html
 #   bash scripts/bootstrap.sh test [args]   # the test suite (what CI runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,10 +21,11 @@ export PATH="$PWD/.venv/bin:$PATH"
 task=${1:-}
 [ $# -gt 0 ] && shift
 case "$task" in
-  demo) mpirun -n 2 python -m comparisons.equivalence --model gpt --steps 10 --dtype float64 --optimizer adamw
-        mpirun -n 2 python -m comparisons.mixed
-        mpirun -n 2 python -m experiments.torch_ddp
-        exec mpirun -n 2 python -m experiments.jax_ddp ;;
+  demo) portddp compare -n 2 --model gpt --steps 10 --dtype float64 --optimizer adamw
+        portddp mixed -n 2
+        portddp run overlap -n 2
+        portddp run bucket_sweep -n 2 --rounds 2 --steps-per-round 3
+        exec portddp report --results results --out reports/latest ;;
   test) exec python -m pytest "$@" ;;
   *) echo "usage: bash scripts/bootstrap.sh {demo|test [pytest args...]}" >&2; exit 2 ;;
 esac

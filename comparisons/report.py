@@ -1,0 +1,325 @@
+"""Build the research report from result JSON: Markdown, self-contained HTML, PNG plots.
+
+    python -m comparisons.report --results results --out reports/latest
+
+Reads whatever is there -- experiments/*.py outputs (overlap, bucket_sweep,
+no_sync, compression, scaling-n*), comparisons.equivalence result.json files
+-- and writes report.md, report.html (plots embedded) and the PNGs. A file from
+another portddp version or with missing fields is reported by name and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import html
+import json
+import math
+import sys
+from pathlib import Path
+
+import portddp
+
+PAPER_OVERLAP = {  # DDP paper (arXiv:2006.15704) §5.1: speedup from overlapping, per backend
+    "ResNet50, NCCL": 38.0, "BERT, NCCL": 35.2, "ResNet50, Gloo": 26.8, "BERT, Gloo": 21.5}
+EXPERIMENTS = ("overlap", "bucket_sweep", "no_sync", "compression", "scaling")
+COLORS = {"native": "#1f77b4", "torch-c10d": "#ff7f0e", "torch-mpi": "#2ca02c", "jax-hooked": "#d62728",
+          "jax-compiled": "#9467bd", "torch-local": "#8c564b", "jax-local": "#7f7f7f"}
+
+
+def load(results: Path) -> tuple[dict, list[dict], list[str]]:
+    """{experiment: [payloads]}, [equivalence results], [problems found, by file]."""
+    found: dict[str, list] = {}
+    problems = []
+    for path in sorted(results.glob("*.json")):
+        try:
+            payload = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            problems.append(f"{path}: unreadable ({e})")
+            continue
+        name = payload.get("experiment")
+        if name is None:
+            continue  # the demos' own files
+        if payload.get("portddp_version") != portddp.__version__:
+            problems.append(f"{path}: written by portddp {payload.get('portddp_version')}, this is "
+                            f"{portddp.__version__}; rerun the experiment")
+            continue
+        if name not in EXPERIMENTS or "rows" not in payload:
+            problems.append(f"{path}: not a known experiment result (experiment={name!r})")
+            continue
+        found.setdefault(name, []).append(payload)
+    equivalence = []
+    for path in sorted(results.glob("equivalence/*/result.json")):
+        try:
+            equivalence.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            problems.append(f"{path}: unreadable ({e})")
+    return found, equivalence, problems
+
+
+# ------------------------------------------------------------------- plots
+def plot_gantt(payload: dict, out: Path) -> Path | None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = [r for r in payload["rows"] if r.get("events") and r["params"].get("overlap") is not False]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.5 + 1.1 * len(rows)), squeeze=False)
+    for ax, row in zip(axes[:, 0], rows):
+        ev = row["events"]
+        t0 = ev["forward_start_ns"]
+
+        def ms(ns, t0=t0):
+            return (ns - t0) / 1e6
+
+        ax.broken_barh([(0, ms(ev["forward_end_ns"]))], (10, 8), color="#9e9e9e", label="forward")
+        ax.broken_barh([(ms(ev["forward_end_ns"]), ms(ev["backward_end_ns"]) - ms(ev["forward_end_ns"]))], (10, 8),
+                       color="#1f77b4", label="backward")
+        for b in ev["buckets"]:
+            if b["launch_ns"] and b["done_ns"]:
+                ax.broken_barh([(ms(b["launch_ns"]), max(0.05, ms(b["done_ns"]) - ms(b["launch_ns"])))], (0, 8),
+                               color="#ff7f0e" if b["index"] % 2 == 0 else "#d62728")
+                ax.text(ms(b["launch_ns"]), 4, str(b["index"]), va="center", fontsize=7, color="white")
+        ax.set_yticks([4, 14], ["comm", "compute"])
+        ax.set_title(f"{row['label']}: {row['median_s'] * 1e3:.1f} ms/iteration (median); "
+                     f"overlap ratio {row['metrics'].get('overlap_ratio', 0):.2f}", fontsize=9, loc="left")
+        ax.set_xlim(left=0)
+    axes[-1, 0].set_xlabel("ms since forward start (one steady-state iteration, rank 0; numbers: bucket index)")
+    fig.tight_layout()
+    path = out / "gantt.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_buckets(payload: dict, out: Path) -> Path | None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    by_impl: dict[str, list] = {}
+    for r in payload["rows"]:
+        by_impl.setdefault(r["impl"], []).append(r)
+    if not by_impl:
+        return None
+    caps = sorted({r["params"]["bucket_cap_mb"] for r in payload["rows"]})
+    finite = [c for c in caps if not math.isinf(c)]
+    one = (max(finite) * 4) if finite else 1.0  # where "one bucket" is drawn
+
+    def x(c):
+        return one if math.isinf(c) else c
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for impl, rows in by_impl.items():
+        rows = sorted(rows, key=lambda r: x(r["params"]["bucket_cap_mb"]))
+        xs = [x(r["params"]["bucket_cap_mb"]) for r in rows]
+        a1.plot(xs, [r["median_s"] * 1e3 for r in rows], marker="o", label=impl, color=COLORS.get(impl))
+        if any("overlap_ratio" in r["metrics"] for r in rows):
+            a2.plot(xs, [r["metrics"].get("overlap_ratio", float("nan")) for r in rows], marker="o", label=impl,
+                    color=COLORS.get(impl))
+    for ax, ylabel in ((a1, "median ms / iteration"), (a2, "overlap ratio")):
+        ax.set_xscale("log", base=2)
+        ticks = [x(c) for c in caps]
+        ax.set_xticks(ticks, ["one" if math.isinf(c) else f"{c:g}" for c in caps])
+        ax.set_xlabel("bucket cap (MB)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
+    a2.set_ylim(0, 1.05)
+    fig.tight_layout()
+    path = out / "bucket_sweep.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_scaling(payloads: list[dict], out: Path) -> Path | None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    points = {}
+    for p in payloads:
+        for r in p["rows"]:
+            points.setdefault(r["impl"], {})[p["world"]["size"]] = r["median_s"]
+    if not points:
+        return None
+    worlds = sorted({w for v in points.values() for w in v})
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(points)
+    for k, (impl, by_world) in enumerate(sorted(points.items())):
+        ax.bar([i + k * width for i in range(len(worlds))], [by_world.get(w, 0) * 1e3 for w in worlds], width,
+               label=impl, color=COLORS.get(impl))
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(worlds))], [f"{w} rank(s)" for w in worlds])
+    ax.set_ylabel("median ms / iteration (fixed batch per rank)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "scaling.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------- tables
+def table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def overlap_section(payload: dict) -> str:
+    rows = {r["label"]: r for r in payload["rows"]}
+    out = []
+    for r in payload["rows"]:
+        if r["params"].get("overlap") is True:
+            off = rows.get(f"{r['impl']} (no overlap)")
+            speedup = f"{(off['median_s'] / r['median_s'] - 1) * 100:.1f} %" if off else "–"
+            m = r["metrics"]
+            out.append([r["impl"], f"{r['median_s'] * 1e3:.1f}", f"{off['median_s'] * 1e3:.1f}" if off else "–",
+                        speedup, f"{m['overlap_ratio']:.2f}" if "overlap_ratio" in m else "–",
+                        f"{m['exposed_comm_time'] * 1e3:.1f}" if "exposed_comm_time" in m else "–"])
+        elif r["params"].get("overlap") is None:
+            out.append([f"{r['impl']} (no communication)", f"{r['median_s'] * 1e3:.1f}", "–", "–", "–", "–"])
+    paper = ", ".join(f"{k} {v} %" for k, v in PAPER_OVERLAP.items())
+    return (table(["implementation", "overlap on (ms)", "overlap off (ms)", "speedup", "overlap ratio",
+                   "exposed comm (ms)"], out)
+            + f"\n\nSpeedup = t(off) / t(on) − 1. The DDP paper's §5.1 reports, on 32 GPUs: {paper}. "
+              "Here two CPU ranks share two cores, so computation and communication also compete for the same "
+              "cores: overlap can only hide the waiting, not the work of reducing.\n")
+
+
+def native_metrics_section(payload: dict) -> str:
+    rows = {r["impl"]: r for r in payload["rows"] if r["params"].get("overlap") is not False}
+    if "native" not in rows or "torch-c10d" not in rows:
+        return ""
+    keys = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
+    body = [[k, f"{rows['native']['metrics'].get(k, float('nan')) * 1e3:.2f}",
+             f"{rows['torch-c10d']['metrics'].get(k, float('nan')) * 1e3:.2f}"] for k in keys]
+    return ("### PyTorch's own metrics beside portddp's\n\n"
+            + table(["metric (ms)", "native DDP (_get_ddp_logging_data)", "portddp.torch c10d (events)"], body)
+            + "\n\nSame definitions, measured differently: native DDP averages its own C++ timers over the "
+              "iterations it samples (and its bucket cap follows its defaults), portddp reads host timestamps "
+              "of the iterations above and takes medians.\n")
+
+
+def generic_section(payload: dict, extra: str | None = None) -> str:
+    body = []
+    for r in payload["rows"]:
+        row = [r["label"], f"{r['median_s'] * 1e3:.1f}"]
+        if extra == "per_sample":
+            row.append(f"{r['median_s'] / r['params']['samples_per_step'] * 1e6:.0f}")
+        if extra == "loss":
+            row.append(f"{r['loss']:.4f}")
+        row.append(f"{r['metrics']['overlap_ratio']:.2f}" if "overlap_ratio" in r["metrics"] else "–")
+        body.append(row)
+    headers = ["variant", "median ms / iteration"] + {"per_sample": ["µs / sample"], "loss": ["last loss"]}.get(
+        extra, []) + ["overlap ratio"]
+    return table(headers, body) + "\n"
+
+
+def equivalence_section(results: list[dict]) -> str:
+    body = []
+    for r in results:
+        c = r["config"]
+        worst = {name: max(v["deviation"].values()) for name, v in r["results"].items()}
+        body.append([c["model"], c["dtype"], c["optimizer"], r["world"]["size"], r["reference"],
+                     ", ".join(f"{n} {w:.1e}" for n, w in worst.items() if n != r["reference"]),
+                     "yes" if r["ok"] else "NO"])
+    return table(["model", "dtype", "optimizer", "ranks", "reference", "worst relative deviation", "within bound"],
+                 body) + "\n"
+
+
+def build(results: Path, out: Path) -> Path:
+    found, equivalence, problems = load(results)
+    out.mkdir(parents=True, exist_ok=True)
+    sections: list[tuple[str, str, Path | None]] = []
+    if equivalence:
+        sections.append(("Numerical equivalence", equivalence_section(equivalence), None))
+    if "overlap" in found:
+        p = found["overlap"][-1]
+        sections.append(("Where the time goes: one iteration per implementation", "", plot_gantt(p, out)))
+        sections.append(("Overlap on vs off", overlap_section(p) + native_metrics_section(p), None))
+    if "bucket_sweep" in found:
+        p = found["bucket_sweep"][-1]
+        sections.append(("Bucket size", generic_section(p), plot_buckets(p, out)))
+    if "scaling" in found:
+        sections.append(("World size", "".join(generic_section(p) for p in found["scaling"]),
+                         plot_scaling(found["scaling"], out)))
+    if "no_sync" in found:
+        sections.append(("Gradient accumulation (no_sync)", generic_section(found["no_sync"][-1], "per_sample"), None))
+    if "compression" in found:
+        sections.append(("Compression hooks", generic_section(found["compression"][-1], "loss"), None))
+    if not sections:
+        skipped = "".join(f"\n  skipped {p}" for p in problems)
+        raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
+    any_payload = next((ps[-1] for ps in found.values()), None)
+    env = any_payload["environment"] if any_payload else {}
+    head = (f"# portddp report\n\nGenerated {datetime.datetime.now():%Y-%m-%d %H:%M} from `{results}` by "
+            f"`python -m comparisons.report`. Machine: {env.get('cpus', '?')} CPUs, {env.get('machine', '?')}; "
+            f"Python {env.get('python', '?')}, PyTorch {env.get('torch', '?')}, portddp {portddp.__version__}.\n")
+    commands = sorted({" ".join(p["environment"].get("argv", [])) for ps in found.values() for p in ps})
+    if commands:
+        head += "\nCommands (each under `mpirun -n <ranks>`):\n\n" + "\n".join(f"    python -m {c}" for c in commands)
+        head += "\n"
+    if problems:
+        head += "\nSkipped:\n\n" + "\n".join(f"- {p}" for p in problems) + "\n"
+    md = [head]
+    for title, text, png in sections:
+        md.append(f"\n## {title}\n\n" + (f"![{title}]({png.name})\n\n" if png else "") + text)
+    (out / "report.md").write_text("".join(md))
+    (out / "report.html").write_text(to_html(head, sections))
+    return out / "report.html"
+
+
+def to_html(head: str, sections) -> str:
+    def para(text: str) -> str:
+        parts = []
+        for block in text.strip().split("\n\n"):
+            lines = block.splitlines()
+            if lines and lines[0].startswith("|"):
+                cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines if not line.startswith("|-")]
+                rows = "".join("<tr>" + "".join(f"<{'th' if i == 0 else 'td'}>{html.escape(c)}</{'th' if i == 0 else 'td'}>"
+                                                 for c in row) + "</tr>" for i, row in enumerate(cells))
+                parts.append(f"<table>{rows}</table>")
+            elif block.startswith("# "):
+                parts.append(f"<h1>{html.escape(block[2:])}</h1>")
+            elif block.startswith("### "):
+                parts.append(f"<h3>{html.escape(block[4:])}</h3>")
+            elif block.startswith("    "):
+                parts.append(f"<pre>{html.escape(block)}</pre>")
+            else:
+                parts.append(f"<p>{html.escape(block)}</p>")
+        return "\n".join(parts)
+
+    body = [para(head)]
+    for title, text, png in sections:
+        body.append(f"<h2>{html.escape(title)}</h2>")
+        if png:
+            data = base64.b64encode(png.read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(title)}" src="data:image/png;base64,{data}">')
+        body.append(para(text))
+    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
+             "text-align:right}th{background:#f3f3f3}img{max-width:100%}pre{background:#f6f6f6;padding:.5em}")
+    return f"<!doctype html><meta charset=utf-8><title>portddp report</title><style>{style}</style>" + "\n".join(body)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="results", help="directory with the result JSON")
+    parser.add_argument("--out", default="reports/latest", help="where report.md, report.html and PNGs go")
+    args = parser.parse_args(argv)
+    path = build(Path(args.results), Path(args.out))
+    print(f"report: {path.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Compression hooks: none, fp16, bf16 -- time per iteration and the loss reached.
+
+    mpirun -n 2 python -m experiments.compression
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from experiments import runner
+from experiments.common import parse_config
+from experiments.impls import HOOKS
+
+
+@dataclasses.dataclass
+class Config(runner.ExperimentConfig):
+    impls: tuple[str, ...] = dataclasses.field(default=("torch-c10d", "torch-mpi", "jax-hooked"),
+                                               metadata={"help": "implementations with comm hooks"})
+
+
+def variants(cfg: Config, world):
+    for hook in HOOKS:
+        for impl in cfg.impls:
+            yield runner.Variant(f"{impl} / {hook}", impl, {"hook": hook}, group=hook, params={"hook": hook})
+
+
+def main(argv=None):
+    return runner.run("compression", parse_config(Config, argv, __doc__.split("\n\n")[0]), variants)
+
+
+if __name__ == "__main__":
+    main()

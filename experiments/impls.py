@@ -1,0 +1,184 @@
+"""Every implementation behind one small interface, for the experiments.
+
+    trainer = make_trainer("jax-hooked", model_cfg, world, bucket_cap_mb=4.0, overlap=False)
+    seconds = trainer.step()             # one optimizer step, blocking
+    trainer.events()                     # IterationEvents of that step (portddp only)
+
+Implementations: "native" (torch.nn.parallel.DistributedDataParallel), "torch-c10d",
+"torch-mpi" (portddp.torch), "jax-hooked", "jax-compiled" (portddp.jax),
+"torch-local" / "jax-local" (the same step with no communication: the limits).
+The model is the benchmark MLP (portddp.models.TorchMLP and its NNX twin) on
+synthetic regression data, SGD with momentum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+IMPLEMENTATIONS = ("native", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "torch-local", "jax-local")
+HOOKS = ("none", "fp16", "bf16")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    width: int = dataclasses.field(default=1024, metadata={"help": "features per Linear layer"})
+    depth: int = dataclasses.field(default=8, metadata={"help": "number of Linear layers"})
+    batch: int = dataclasses.field(default=64, metadata={"help": "samples per rank per step"})
+    lr: float = dataclasses.field(default=0.01, metadata={"help": "SGD learning rate (momentum 0.9)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "model and data seed"})
+
+
+def check_implementations(names, allowed=IMPLEMENTATIONS) -> None:
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise SystemExit(f"unknown implementation(s) {unknown}: choose from {allowed}")
+
+
+class TorchTrainer:
+    def __init__(self, impl: str, cfg: ModelConfig, world, bucket_cap_mb=25.0, first_bucket_cap_mb=1.0,
+                 overlap=True, hook="none", no_sync_every=1):
+        import torch  # noqa: PLC0415
+        from torch import nn  # noqa: PLC0415
+
+        from portddp.models import TorchMLP  # noqa: PLC0415
+        from portddp.torch import DistributedDataParallel, bf16_compress_hook, fp16_compress_hook  # noqa: PLC0415
+
+        torch.manual_seed(cfg.seed)
+        self.impl, self.cfg, self.world, self.no_sync_every = impl, cfg, world, no_sync_every
+        self.model = TorchMLP(cfg.width, cfg.depth)
+        if impl == "native":
+            if not overlap:
+                raise ValueError("native DDP has no overlap switch")
+            default = (bucket_cap_mb, first_bucket_cap_mb) == (25.0, 1.0)
+            self.wrapped = nn.parallel.DistributedDataParallel(
+                self.model, bucket_cap_mb=None if default else min(bucket_cap_mb, 2.0**40))
+        elif impl == "torch-local":
+            self.wrapped = self.model
+        else:
+            self.wrapped = DistributedDataParallel(self.model, bucket_cap_mb=bucket_cap_mb,
+                                                   first_bucket_cap_mb=first_bucket_cap_mb,
+                                                   transport=impl.removeprefix("torch-"), overlap=overlap)
+        if hook != "none":
+            self.wrapped.register_comm_hook(None, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[hook])
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=0.9)
+        self.steps, self.loss = 0, math.nan
+        self._torch = torch
+
+    def step(self) -> float:
+        from portddp.data import regression_batch  # noqa: PLC0415
+
+        torch, cfg = self._torch, self.cfg
+        t0 = time.perf_counter()
+        self.opt.zero_grad()
+        for m in range(self.no_sync_every):
+            x, y = (torch.from_numpy(a) for a in regression_batch(cfg.seed, self.steps * 64 + m, self.world.rank,
+                                                                  cfg.batch, cfg.width, cfg.width))
+            last = m == self.no_sync_every - 1
+            ctx = self.wrapped.no_sync() if not last and hasattr(self.wrapped, "no_sync") else _Null()
+            with ctx:
+                loss = torch.nn.functional.mse_loss(self.wrapped(x), y)
+                loss.backward()
+        self.opt.step()
+        self.steps += 1
+        self.loss = loss.item()
+        return time.perf_counter() - t0
+
+    def events(self):
+        stats = getattr(self.wrapped, "stats", None)
+        return stats().get("events") if stats else None
+
+    def stats(self) -> dict:
+        if self.impl == "native":
+            data = self.wrapped._get_ddp_logging_data()
+            keys = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
+            return {k: data.get(f"avg_{k}", 0) * 1e-9 for k in keys}
+        stats = getattr(self.wrapped, "stats", None)
+        return {k: v for k, v in stats().items() if isinstance(v, float)} if stats else {}
+
+
+class JaxTrainer:
+    def __init__(self, impl: str, cfg: ModelConfig, world, bucket_cap_mb=25.0, first_bucket_cap_mb=1.0,
+                 overlap=True, hook="none", no_sync_every=1):
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        import optax  # noqa: PLC0415
+        from flax import nnx  # noqa: PLC0415
+
+        from portddp.jax import DistributedDataParallel, bf16_compress_hook, fp16_compress_hook  # noqa: PLC0415
+        from portddp.models import build_twin, jax_canonical  # noqa: PLC0415
+
+        self.impl, self.cfg, self.world, self.no_sync_every = impl, cfg, world, no_sync_every
+        twin = build_twin("mlp", "bench", seed=cfg.seed, width=cfg.width, depth=cfg.depth)
+        graphdef, params = nnx.split(twin.nnx_model, nnx.Param)
+
+        def loss_fn(p, batch):
+            x, y = batch
+            return jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
+
+        if impl == "jax-local":
+            self.ddp = None
+            local = jax.jit(jax.value_and_grad(loss_fn))
+            self.grad_fn = lambda p, b, sync=True: local(p, b)
+        else:
+            self.ddp = DistributedDataParallel(params, bucket_cap_mb, first_bucket_cap_mb,
+                                               strategy=impl.removeprefix("jax-"), overlap=overlap,
+                                               canonical=jax_canonical(twin.torch_model, params))
+            if hook != "none":
+                self.ddp.register_comm_hook(None, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[hook])
+            params = self.ddp.broadcast(params)
+            self.grad_fn = self.ddp.value_and_grad(loss_fn)
+        opt = optax.sgd(cfg.lr, momentum=0.9)
+        self.params, self.opt_state = params, opt.init(params)
+
+        def update(p, s, g):
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        self.update = jax.jit(update)
+        self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+        self.steps, self.loss = 0, math.nan
+        self._jax = jax
+
+    def step(self) -> float:
+        from portddp.data import regression_batch  # noqa: PLC0415
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        acc = None
+        for m in range(self.no_sync_every):
+            batch = regression_batch(cfg.seed, self.steps * 64 + m, self.world.rank, cfg.batch, cfg.width, cfg.width)
+            last = m == self.no_sync_every - 1
+            if self.no_sync_every == 1:
+                loss, grads = self.grad_fn(self.params, batch)
+            else:
+                loss, g = self.grad_fn(self.params, batch, sync=False)
+                acc = g if acc is None else self.add(acc, g)
+                grads = self.ddp.reduce(acc) if last and self.ddp is not None else acc
+        self.params, self.opt_state = self.update(self.params, self.opt_state, grads)
+        self._jax.block_until_ready(self.params)
+        self.steps += 1
+        self.loss = float(loss)
+        return time.perf_counter() - t0
+
+    def events(self):
+        return self.ddp.stats().get("events") if self.ddp is not None else None
+
+    def stats(self) -> dict:
+        if self.ddp is None:
+            return {}
+        return {k: v for k, v in self.ddp.stats().items() if isinstance(v, (float, int, dict)) and k != "events"}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def make_trainer(impl: str, cfg: ModelConfig, world, **knobs):
+    check_implementations([impl])
+    return (JaxTrainer if impl.startswith("jax") else TorchTrainer)(impl, cfg, world, **knobs)

@@ -1,0 +1,92 @@
+"""Run a list of variants (implementation + knobs), interleaved, and write one JSON.
+
+Each experiment module (bucket_sweep, overlap, no_sync, compression, scaling)
+only lists its variants; this module measures them the same way: warm-up,
+then rounds in which every variant of a group runs a few steps in turn, so the
+machine's noise hits them alike. Groups run one after another (one group's
+models in memory at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+
+import portddp
+from experiments.common import environment, median, write_result
+from experiments.impls import IMPLEMENTATIONS, ModelConfig, check_implementations, make_trainer
+from portddp.launch import detect
+
+
+@dataclasses.dataclass
+class ExperimentConfig(ModelConfig):
+    warmup: int = dataclasses.field(default=3, metadata={"help": "untimed steps per variant (JAX compiles here)"})
+    rounds: int = dataclasses.field(default=3, metadata={"help": "interleaved rounds"})
+    steps_per_round: int = dataclasses.field(default=4, metadata={"help": "timed steps per variant per round"})
+    impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS[:5], metadata={"help": "implementations"})
+    out_dir: str = dataclasses.field(default="results", metadata={"help": "where the JSON goes"})
+    ranks: int = dataclasses.field(default=0, metadata={"help": "ranks this run must have (0: any)"})
+
+
+@dataclasses.dataclass
+class Variant:
+    label: str  # unique within the experiment
+    impl: str
+    knobs: dict
+    group: str  # variants of a group are interleaved with each other
+    params: dict  # what the report groups and plots by, e.g. {"bucket_cap_mb": 4.0}
+
+
+def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentConfig, object], Sequence[Variant]]
+        ) -> dict:
+    check_implementations(cfg.impls)
+    launched = detect().size
+    if cfg.ranks and cfg.ranks != launched:
+        raise SystemExit(f"experiment {name!r} was asked for {cfg.ranks} ranks but launched with {launched}: "
+                         f"run `mpirun -n {cfg.ranks} python -m experiments.{name}`")
+    world = portddp.init(jax_distributed="jax-compiled" in cfg.impls)
+    say = print if world.rank == 0 else (lambda *a, **k: None)
+    variants = list(make_variants(cfg, world))
+    groups: dict[str, list[Variant]] = {}
+    for v in variants:
+        groups.setdefault(v.group, []).append(v)
+    say(f"{name}: {len(variants)} variants in {len(groups)} group(s), {world.size} ranks, "
+        f"{cfg.depth} x Linear({cfg.width}), batch {cfg.batch}/rank", flush=True)
+    rows = []
+    for g, (group, members) in enumerate(groups.items(), start=1):
+        trainers = {v.label: make_trainer(v.impl, cfg, world, **v.knobs) for v in members}
+        times = {label: [] for label in trainers}
+        stats = {label: [] for label in trainers}
+        for t in trainers.values():
+            for _ in range(cfg.warmup):
+                t.step()
+        for _ in range(cfg.rounds):
+            for label, t in trainers.items():
+                for _ in range(cfg.steps_per_round):
+                    times[label].append(t.step())
+                    stats[label].append(t.stats())
+        for v in members:
+            t = trainers[v.label]
+            events = t.events()
+            rows.append({
+                "label": v.label, "impl": v.impl, "group": group, "params": v.params, "knobs": v.knobs,
+                "median_s": median(times[v.label]), "times_s": times[v.label], "loss": t.loss,
+                "metrics": _median_metrics(stats[v.label]),
+                "hlo": stats[v.label][-1].get("hlo") if stats[v.label] else None,
+                "events": events.to_dict() if events is not None else None,
+            })
+        say(f"  [{g}/{len(groups)}] {group}: " + "  ".join(
+            f"{v.label} {median(times[v.label]) * 1e3:.1f} ms" for v in members), flush=True)
+        del trainers
+    payload = {"experiment": name, "portddp_version": portddp.__version__, "config": dataclasses.asdict(cfg),
+               "world": dataclasses.asdict(world), "environment": environment(), "rows": rows}
+    if world.rank == 0:
+        path = write_result(f"{cfg.out_dir}/{name}-n{world.size}.json", payload)
+        print(f"wrote {path}")
+    return payload
+
+
+def _median_metrics(samples: list[dict]) -> dict:
+    keys = {k for s in samples for k, v in s.items() if isinstance(v, float)}
+    return {k: statistics.median(s[k] for s in samples if k in s) for k in sorted(keys)}

@@ -1,0 +1,72 @@
+"""Experiments on a tiny model, then the report built from their JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests import mpi
+
+TINY = ["--width", "64", "--depth", "3", "--batch", "8", "--warmup", "2", "--rounds", "1", "--steps-per-round", "2"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    for experiment, extra in (("overlap", ["--bucket-cap-mb", "0.01"]), ("bucket_sweep", ["--caps", "0.01", "inf"])):
+        proc = mpi.run(2, f"experiments.{experiment}", *TINY, *extra, "--out-dir", str(out), timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_overlap_experiment_measures_every_variant(results):
+    payload = json.loads((results / "overlap-n2.json").read_text())
+    labels = {r["label"] for r in payload["rows"]}
+    assert {"native", "torch-c10d", "torch-c10d (no overlap)", "torch-mpi (no overlap)", "jax-hooked",
+            "jax-hooked (no overlap)", "jax-compiled", "torch-local", "jax-local"} <= labels
+    for r in payload["rows"]:
+        assert r["median_s"] > 0 and len(r["times_s"]) == 2
+        if r["impl"] in ("torch-c10d", "torch-mpi", "jax-hooked"):
+            ev = r["events"]
+            launches = [b["launch_ns"] for b in ev["buckets"]]
+            # with overlap, the first bucket goes before backward ends; without, none does
+            assert (min(launches) < ev["backward_end_ns"]) is r["params"]["overlap"], r["label"]
+
+
+def test_report_has_plots_and_tables(results, tmp_path):
+    proc = mpi.run(None, "comparisons.report", "--results", str(results), "--out", str(tmp_path / "rep"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    md = (tmp_path / "rep" / "report.md").read_text()
+    for heading in ("Where the time goes", "Overlap on vs off", "Bucket size", "PyTorch's own metrics"):
+        assert heading in md
+    assert "ResNet50, Gloo 26.8 %" in md
+    for png in ("gantt.png", "bucket_sweep.png"):
+        assert (tmp_path / "rep" / png).read_bytes()[:4] == b"\x89PNG"
+    html = (tmp_path / "rep" / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 2 and "<table>" in html
+
+
+def test_report_names_foreign_and_missing_results(tmp_path):
+    (tmp_path / "overlap-n2.json").write_text(json.dumps({"experiment": "overlap", "portddp_version": "0.0.1",
+                                                          "rows": []}))
+    (tmp_path / "broken.json").write_text("{not json")
+    proc = mpi.run(None, "comparisons.report", "--results", str(tmp_path), "--out", str(tmp_path / "rep"))
+    assert proc.returncode != 0
+    assert "no results under" in proc.stderr
+    assert "overlap-n2.json: written by portddp 0.0.1" in proc.stderr and "broken.json: unreadable" in proc.stderr
+
+
+def test_experiment_asks_for_more_ranks_than_launched():
+    proc = mpi.run(None, "experiments.overlap", *TINY, "--ranks", "2", timeout=120)
+    assert proc.returncode != 0
+    assert "asked for 2 ranks but launched with 1: run `mpirun -n 2 python -m experiments.overlap`" in proc.stderr
+
+
+def test_cli_help_and_unknown_experiment():
+    ok = mpi.run(None, "portddp.cli", "--help", timeout=60)
+    assert ok.returncode == 0 and "portddp run overlap -n 2" in ok.stdout
+    bad = mpi.run(None, "portddp.cli", "run", "warp_drive", timeout=60)
+    assert bad.returncode != 0 and "invalid choice: 'warp_drive'" in bad.stderr and "bucket_sweep" in bad.stderr
+    assert sys.executable
