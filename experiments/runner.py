@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import portddp
 from experiments.common import environment, median, write_result
 from experiments.impls import IMPLEMENTATIONS, ModelConfig, check_implementations, make_trainer
 from portddp.launch import detect
+from portddp.timeline import IterationEvents, chrome_trace
 
 
 @dataclasses.dataclass
@@ -53,7 +55,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         groups.setdefault(v.group, []).append(v)
     say(f"{name}: {len(variants)} variants in {len(groups)} group(s), {world.size} ranks, "
         f"{cfg.depth} x Linear({cfg.width}), batch {cfg.batch}/rank", flush=True)
-    rows = []
+    rows, traces = [], []
     for g, (group, members) in enumerate(groups.items(), start=1):
         trainers = {v.label: make_trainer(v.impl, cfg, world, **v.knobs) for v in members}
         times = {label: [] for label in trainers}
@@ -76,6 +78,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 "hlo": stats[v.label][-1].get("hlo") if stats[v.label] else None,
                 "events": events.to_dict() if events is not None else None,
             })
+        traces += _gather_events(members, trainers)
         say(f"  [{g}/{len(groups)}] {group}: " + "  ".join(
             f"{v.label} {median(times[v.label]) * 1e3:.1f} ms" for v in members), flush=True)
         del trainers
@@ -83,8 +86,19 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                "world": dataclasses.asdict(world), "environment": environment(), "rows": rows}
     if world.rank == 0:
         path = write_result(f"{cfg.out_dir}/{name}-n{world.size}.json", payload)
-        print(f"wrote {path}")
+        trace = Path(cfg.out_dir) / f"{name}-n{world.size}.trace.json"
+        trace.write_text(chrome_trace(traces))
+        print(f"wrote {path} and {trace} (open in https://ui.perfetto.dev)")
     return payload
+
+
+def _gather_events(members, trainers) -> list:
+    """(label, every rank's last IterationEvents) for each variant that records events."""
+    from portddp.transport import get_transport  # noqa: PLC0415
+
+    mine = {v.label: e.to_dict() for v in members if (e := trainers[v.label].events()) is not None}
+    everyone = get_transport().allgather_object(mine)
+    return [(label, [IterationEvents.from_dict(ranks[label]) for ranks in everyone]) for label in mine]
 
 
 def _median_metrics(samples: list[dict]) -> dict:

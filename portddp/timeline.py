@@ -75,6 +75,10 @@ class IterationEvents:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "IterationEvents":
+        return cls(**{**d, "buckets": [BucketEvents(**b) for b in d["buckets"]]})
+
 
 def union_length(intervals: Iterable[tuple[int, int]], clip: tuple[int, int] | None = None) -> int:
     """Total length covered by the intervals (optionally clipped to `clip`)."""

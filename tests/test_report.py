@@ -35,6 +35,13 @@ def test_overlap_experiment_measures_every_variant(results):
             assert (min(launches) < ev["backward_end_ns"]) is r["params"]["overlap"], r["label"]
 
 
+def test_chrome_trace_has_a_track_per_rank_and_comm_thread(results):
+    trace = json.loads((results / "overlap-n2.trace.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
+    assert {"rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"} <= names
+    assert any(e.get("name", "").startswith("bucket ") and e["ph"] == "X" for e in trace)
+
+
 def test_report_has_plots_and_tables(results, tmp_path):
     proc = mpi.run(None, "comparisons.report", "--results", str(results), "--out", str(tmp_path / "rep"))
     assert proc.returncode == 0, proc.stderr[-2000:]
