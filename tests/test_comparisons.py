@@ -13,7 +13,6 @@ CASES = [
     (2, "gpt", "float32", "adamw"),
     (2, "cnn", "float64", "adamw"),
     (3, "gpt", "float64", "sgd"),
-    (3, "cnn", "float32", "sgd"),
 ]
 
 
