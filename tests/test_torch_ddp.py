@@ -110,3 +110,20 @@ def test_demo_runs_and_agrees_with_native(tmp_path):
         assert payload["results"][impl]["max_param_diff_vs_native"] == 0.0
         assert payload["results"][impl]["ranks_identical"]
     assert "portddp-c10d_vs_native=" in proc.stdout.splitlines()[-1]
+
+
+def test_under_torchrun_with_c10d(tmp_path):
+    """The same worker under torchrun instead of mpirun (c10d only: torchrun starts no MPI ranks)."""
+    import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    torchrun = shutil.which("torchrun", path=str(mpi._BIN))
+    proc = subprocess.run([torchrun, "--nproc-per-node=2", "-m", "tests.workers.torch_equivalence", "c10d"],
+                          cwd=mpi.ROOT, env={**os.environ, "PORTDDP_RESULTS": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        rows = [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
+        plain = next(row for row in rows if row["scenario"] == "plain/c10d")
+        assert plain["bitwise"], plain

@@ -115,6 +115,11 @@ def make_comm(transport: str, process_group=None) -> _Comm:
     if transport == "c10d":
         return C10dComm(process_group)
     if transport == "mpi":
+        from portddp.launch import detect  # noqa: PLC0415
+
+        if detect().launcher == "torchrun":
+            raise ValueError("transport='mpi' needs MPI ranks, and this job was started by torchrun: launch with "
+                             "`mpirun -n K python ...`, or use transport='c10d'")
         if process_group is not None:
             raise ValueError("process_group applies to transport='c10d' only; transport='mpi' uses COMM_WORLD")
         return MPIComm()
