@@ -15,9 +15,11 @@ parameters (JAX values converted to PyTorch layout) against a reference:
 
 For `cnn` the reference is native DDP: BatchNorm normalises with each rank's
 own batch statistics, by design, so no single process computes the same thing.
-Deviation = max over tensors of max|a - b| / max(1, max|b|). Prints a table of
-the worst deviation per implementation, writes JSON and a `step loss` file per
-implementation, and exits 1 if any exceeds the bound for the dtype.
+Deviation = max over tensors of max|a - b| / max(1, max|b|), worst over steps
+and ranks. Each implementation is also compared with its own framework's
+single-process reference (jax-* with jax-ref), which separates what DDP does
+from what two frameworks' kernels do. Prints a table, writes JSON and a `step
+loss` file per implementation, and exits 1 if a deviation exceeds its bound.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ from experiments.common import environment, parse_config, write_result
 
 IMPLS = ("torch-ref", "native-ddp", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "jax-ref")
 OPTIMIZERS = ("sgd", "adamw", "sgd-unfused")  # sgd-unfused: see comparisons/runners.py
-BOUNDS = {"float64": 1e-10, "float32": 1e-4}
-"""float64: DESIGN.md. float32: what two frameworks' different kernels give on these models -- measured
-worst case over mlp/cnn/gpt, SGD and AdamW, n=2 and 3 is recorded in the README; the bound keeps a margin."""
+BOUNDS = {"float64": 1e-10, "float32": 1e-3}
+"""Against the reference. float64: DESIGN.md. float32: measured, not assumed -- after 10 AdamW steps on
+gpt at n=3, jax-ref (one JAX process, no communication at all) is 2.3e-4 from torch-ref: Adam divides by
+sqrt(v) and so amplifies the two frameworks' different rounding. The bound covers that with a margin."""
+SAME_FRAMEWORK_BOUND = {"float64": 1e-10, "float32": 1e-4}
+"""Against the own framework's single-process reference: what DDP itself may add (measured <= 2e-5)."""
 
 
 @dataclasses.dataclass
@@ -90,12 +95,14 @@ def main(argv=None) -> int:
     if len(impls) < len(cfg.impls):
         say = print if world.rank == 0 else (lambda *a, **k: None)
         say("cnn: single-process references skipped -- BatchNorm uses each rank's own batch statistics")
-    order = [ref_name] + [i for i in impls if i != ref_name]
+    # References first: each implementation is compared with them as it finishes.
+    order = sorted(impls, key=lambda i: (i != ref_name, not i.endswith("-ref")))
     say = print if world.rank == 0 else (lambda *a, **k: None)
     say(f"equivalence: {cfg.model} ({cfg.size}), {cfg.dtype}, {cfg.optimizer}, {cfg.steps} steps, "
         f"{world.size} ranks, global batch {cfg.global_batch}; reference: {ref_name}")
 
     reference = None
+    own_refs: dict = {}  # framework -> trace of its single-process reference, when it runs
     results = {}
     for name in order:
         runner = make_runner(name, cfg, world)
@@ -106,28 +113,46 @@ def main(argv=None) -> int:
                                                          for k in range(cfg.steps)]
         if name == ref_name:
             reference = (losses, trace)
-        dev = {"loss": 0.0, "grads": 0.0, "params": 0.0}
-        for k, t in enumerate(trace):
-            dev["loss"] = max(dev["loss"], abs(losses[k] - reference[0][k]) / max(1.0, abs(reference[0][k])))
-            dev["grads"] = max(dev["grads"], deviation(t.grads, reference[1][k].grads))
-            dev["params"] = max(dev["params"], deviation(t.params, reference[1][k].params))
+        framework = name.split("-")[0] if name != "native-ddp" else "torch"
+        if name.endswith("-ref"):
+            own_refs[framework] = (losses, trace)
+        dev = worst_deviation(losses, trace, reference)
         # The verdict must be the same on every rank: take the worst rank's numbers.
         dev = {k: max(v) for k, v in zip(dev, zip(*transport.allgather_object(list(dev.values()))))}
-        results[name] = {"deviation": dev, "losses": losses, "ok": max(dev.values()) <= BOUNDS[cfg.dtype]}
-        say(f"  {name:<13} worst deviation {max(dev.values()):.3g}", flush=True)
+        own = own_refs.get(framework)
+        own_dev = None
+        if own is not None and cfg.model != "cnn":
+            own_dev = worst_deviation(losses, trace, own)
+            own_dev = max(max(v) for v in zip(*transport.allgather_object(list(own_dev.values()))))
+        ok = max(dev.values()) <= BOUNDS[cfg.dtype] and (own_dev is None or own_dev <= SAME_FRAMEWORK_BOUND[cfg.dtype])
+        results[name] = {"deviation": dev, "same_framework_deviation": own_dev, "losses": losses, "ok": ok}
+        say(f"  {name:<13} worst deviation {max(dev.values()):.3g}"
+            + (f" (from its own framework's reference {own_dev:.3g})" if own_dev is not None else ""), flush=True)
 
     ok = all(r["ok"] for r in results.values())
     if world.rank == 0:
         out = Path(cfg.out) / f"{cfg.model}-{cfg.dtype}-{cfg.optimizer}-n{world.size}"
-        print_table(results, ref_name, BOUNDS[cfg.dtype])
+        print_table(results, ref_name, BOUNDS[cfg.dtype], SAME_FRAMEWORK_BOUND[cfg.dtype])
         write_result(out / "result.json", {"config": dataclasses.asdict(cfg), "world": dataclasses.asdict(world),
                                            "environment": environment(), "reference": ref_name,
-                                           "bound": BOUNDS[cfg.dtype], "ok": ok, "results": results})
+                                           "bound": BOUNDS[cfg.dtype],
+                                           "same_framework_bound": SAME_FRAMEWORK_BOUND[cfg.dtype], "ok": ok,
+                                           "results": results})
         for name, r in results.items():
             (out / f"{name}.loss.txt").write_text("".join(f"{k} {x!r}\n" for k, x in enumerate(r["losses"])))
         print(f"wrote {out}/")
-        print("EQUIVALENT" if ok else f"NOT EQUIVALENT: a deviation exceeds {BOUNDS[cfg.dtype]:g}")
+        print("EQUIVALENT" if ok else "NOT EQUIVALENT: a deviation exceeds its bound")
     return 0 if ok else 1
+
+
+def worst_deviation(losses: list, trace: list, reference: tuple) -> dict:
+    """Worst loss / gradient / parameter deviation over the steps from a (losses, trace) reference."""
+    dev = {"loss": 0.0, "grads": 0.0, "params": 0.0}
+    for k, t in enumerate(trace):
+        dev["loss"] = max(dev["loss"], abs(losses[k] - reference[0][k]) / max(1.0, abs(reference[0][k])))
+        dev["grads"] = max(dev["grads"], deviation(t.grads, reference[1][k].grads))
+        dev["params"] = max(dev["params"], deviation(t.params, reference[1][k].params))
+    return dev
 
 
 def deviation(got: dict, want: dict) -> float:
@@ -138,16 +163,18 @@ def deviation(got: dict, want: dict) -> float:
     return max(float(np.abs(got[k] - want[k]).max() / max(1.0, float(np.abs(want[k]).max()))) for k in want)
 
 
-def print_table(results: dict, ref_name: str, bound: float) -> None:
+def print_table(results: dict, ref_name: str, bound: float, same_bound: float) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    table = Table(title=f"worst relative deviation from {ref_name} over all steps and ranks (bound {bound:g})")
-    for col in ("implementation", "loss", "reduced grads", "params", "ok"):
+    table = Table(title=f"worst relative deviation from {ref_name} over all steps and ranks (bound {bound:g}); "
+                        f"last column: from the own framework's reference (bound {same_bound:g})")
+    for col in ("implementation", "loss", "reduced grads", "params", "vs own framework", "ok"):
         table.add_column(col, justify="right")
     for name, r in results.items():
-        d = r["deviation"]
-        table.add_row(name, f"{d['loss']:.2e}", f"{d['grads']:.2e}", f"{d['params']:.2e}", "yes" if r["ok"] else "NO")
+        d, own = r["deviation"], r["same_framework_deviation"]
+        table.add_row(name, f"{d['loss']:.2e}", f"{d['grads']:.2e}", f"{d['params']:.2e}",
+                      "-" if own is None else f"{own:.2e}", "yes" if r["ok"] else "NO")
     Console(width=120).print(table)
 
 
