@@ -107,7 +107,7 @@ class JaxTrainer:
         from flax import nnx  # noqa: PLC0415
 
         from portddp.jax import DistributedDataParallel, bf16_compress_hook, fp16_compress_hook  # noqa: PLC0415
-        from portddp.models import build_twin, jax_canonical  # noqa: PLC0415
+        from portddp.models import build_twin, jax_order  # noqa: PLC0415
 
         self.impl, self.cfg, self.world, self.no_sync_every = impl, cfg, world, no_sync_every
         twin = build_twin("mlp", "bench", seed=cfg.seed, width=cfg.width, depth=cfg.depth)
@@ -124,7 +124,8 @@ class JaxTrainer:
         else:
             self.ddp = DistributedDataParallel(params, bucket_cap_mb, first_bucket_cap_mb,
                                                strategy=impl.removeprefix("jax-"), overlap=overlap,
-                                               canonical=jax_canonical(twin.torch_model, params))
+                                               # PyTorch's order (same plan); the JAX layout, so no transposes
+                                               order=jax_order(twin.torch_model, params))
             if hook != "none":
                 self.ddp.register_comm_hook(None, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[hook])
             params = self.ddp.broadcast(params)

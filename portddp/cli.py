@@ -35,12 +35,11 @@ def main(argv=None) -> int:
     run.add_argument("experiment", choices=EXPERIMENTS)
     for p in (run, sub.add_parser("compare", help="the equivalence harness under mpirun"),
               sub.add_parser("mixed", help="the mixed PyTorch + JAX job under mpirun")):
-        p.add_argument("-n", "--ranks", type=int, default=2, help="number of ranks (mpirun -n)")
-        p.add_argument("args", nargs=argparse.REMAINDER, help="passed on (see the module's --help)")
-    rep = sub.add_parser("report", help="build the report from result JSON")
-    rep.add_argument("args", nargs=argparse.REMAINDER, help="passed on (--results DIR --out DIR)")
+        p.add_argument("-n", "--ranks", type=int, default=2, help="number of ranks (mpirun -n); "
+                       "every other argument is passed on (see the module's --help)")
+    sub.add_parser("report", help="build the report from result JSON (--results DIR --out DIR)")
     ns, extra = parser.parse_known_args(argv)
-    args = [a for a in [*getattr(ns, "args", []), *extra] if a != "--"]
+    args = [a for a in extra if a != "--"]
     if ns.command == "run":
         return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args)
     if ns.command == "compare":
