@@ -202,7 +202,7 @@ def native_metrics_section(payload: dict) -> str:
     keys = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
     body = [[k, f"{rows['native']['metrics'].get(k, float('nan')) * 1e3:.2f}",
              f"{rows['torch-c10d']['metrics'].get(k, float('nan')) * 1e3:.2f}"] for k in keys]
-    return ("### PyTorch's own metrics beside portddp's\n\n"
+    return ("\n### PyTorch's own metrics beside portddp's\n\n"
             + table(["metric (ms)", "native DDP (_get_ddp_logging_data)", "portddp.torch c10d (events)"], body)
             + "\n\nSame definitions, measured differently: native DDP averages its own C++ timers over the "
               "iterations it samples (and its bucket cap follows its defaults), portddp reads host timestamps "
@@ -264,10 +264,12 @@ def build(results: Path, out: Path) -> Path:
     head = (f"# portddp report\n\nGenerated {datetime.datetime.now():%Y-%m-%d %H:%M} from `{results}` by "
             f"`python -m comparisons.report`. Machine: {env.get('cpus', '?')} CPUs, {env.get('machine', '?')}; "
             f"Python {env.get('python', '?')}, PyTorch {env.get('torch', '?')}, portddp {portddp.__version__}.\n")
-    commands = sorted({" ".join(p["environment"].get("argv", [])) for ps in found.values() for p in ps})
+    commands = sorted({p.get("command", "?") for ps in found.values() for p in ps})
+    commands += sorted({f"mpirun -n {r['world']['size']} python -m comparisons.equivalence --model "
+                        f"{r['config']['model']} --dtype {r['config']['dtype']} --optimizer {r['config']['optimizer']}"
+                        f" --steps {r['config']['steps']}" for r in equivalence})
     if commands:
-        head += "\nCommands (each under `mpirun -n <ranks>`):\n\n" + "\n".join(f"    python -m {c}" for c in commands)
-        head += "\n"
+        head += "\nCommands:\n\n" + "\n".join(f"    {c}" for c in commands) + "\n"
     if problems:
         head += "\nSkipped:\n\n" + "\n".join(f"- {p}" for p in problems) + "\n"
     md = [head]

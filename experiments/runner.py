@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -82,7 +83,9 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         say(f"  [{g}/{len(groups)}] {group}: " + "  ".join(
             f"{v.label} {median(times[v.label]) * 1e3:.1f} ms" for v in members), flush=True)
         del trainers
-    payload = {"experiment": name, "portddp_version": portddp.__version__, "config": dataclasses.asdict(cfg),
+    command = " ".join([f"mpirun -n {world.size} python -m experiments.{name}", *sys.argv[1:]])
+    payload = {"experiment": name, "portddp_version": portddp.__version__, "command": command,
+               "config": dataclasses.asdict(cfg),
                "world": dataclasses.asdict(world), "environment": environment(), "rows": rows}
     if world.rank == 0:
         path = write_result(f"{cfg.out_dir}/{name}-n{world.size}.json", payload)
