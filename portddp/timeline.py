@@ -115,6 +115,10 @@ def chrome_trace(runs: Sequence[tuple[str, Sequence[IterationEvents]]]) -> str:
             compute_tid, comm_tid = 2 * it.rank, 2 * it.rank + 1
             for tid, name in ((compute_tid, f"rank {it.rank} compute"), (comm_tid, f"rank {it.rank} comm")):
                 events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}})
+            if not it.forward_end_ns:  # a compiled step: only its span is visible from the host
+                events.append({"ph": "X", "pid": pid, "tid": compute_tid, "name": "step (XLA-scheduled)",
+                               "ts": us(it.forward_start_ns), "dur": (it.finalize_end_ns - it.forward_start_ns) / 1e3})
+                continue
             if it.forward_start_ns:
                 events.append({"ph": "X", "pid": pid, "tid": compute_tid, "name": "forward",
                                "ts": us(it.forward_start_ns), "dur": (it.forward_end_ns - it.forward_start_ns) / 1e3})

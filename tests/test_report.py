@@ -15,8 +15,11 @@ TINY = ["--width", "64", "--depth", "3", "--batch", "8", "--warmup", "2", "--rou
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    for experiment, extra in (("overlap", ["--bucket-cap-mb", "0.01"]), ("bucket_sweep", ["--caps", "0.01", "inf"])):
-        proc = mpi.run(2, f"experiments.{experiment}", *TINY, *extra, "--out-dir", str(out), timeout=600)
+    runs = [(2, "overlap", ["--bucket-cap-mb", "0.01"]), (2, "bucket_sweep", ["--caps", "0.01", "inf"]),
+            (2, "no_sync", ["--every", "1", "2"]), (2, "compression", []),
+            (1, "scaling", ["--impls", "torch-c10d", "jax-hooked"]), (2, "scaling", ["--impls", "torch-c10d", "jax-hooked"])]
+    for n, experiment, extra in runs:
+        proc = mpi.run(n, f"experiments.{experiment}", *TINY, *extra, "--out-dir", str(out), timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -40,19 +43,22 @@ def test_chrome_trace_has_a_track_per_rank_and_comm_thread(results):
     names = {e["args"]["name"] for e in trace if e.get("name") == "thread_name"}
     assert {"rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"} <= names
     assert any(e.get("name", "").startswith("bucket ") and e["ph"] == "X" for e in trace)
+    assert any(e.get("name") == "step (XLA-scheduled)" for e in trace)  # the compiled strategy's spans
 
 
 def test_report_has_plots_and_tables(results, tmp_path):
     proc = mpi.run(None, "comparisons.report", "--results", str(results), "--out", str(tmp_path / "rep"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     md = (tmp_path / "rep" / "report.md").read_text()
-    for heading in ("Where the time goes", "Overlap on vs off", "Bucket size", "PyTorch's own metrics"):
+    for heading in ("Where the time goes", "Overlap on vs off", "Bucket size", "PyTorch's own metrics", "World size",
+                    "Gradient accumulation", "Compression hooks"):
         assert heading in md
+    assert "mpirun -n 2 python -m experiments.overlap" in md
     assert "ResNet50, Gloo 26.8 %" in md
-    for png in ("gantt.png", "bucket_sweep.png"):
+    for png in ("gantt.png", "bucket_sweep.png", "scaling.png"):
         assert (tmp_path / "rep" / png).read_bytes()[:4] == b"\x89PNG"
     html = (tmp_path / "rep" / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 2 and "<table>" in html
+    assert html.count("data:image/png;base64,") == 3 and "<table>" in html
 
 
 def test_report_names_foreign_and_missing_results(tmp_path):
