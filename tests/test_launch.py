@@ -30,9 +30,10 @@ def test_torchrun_environment(monkeypatch):
 
 
 def test_mpirun_world_and_rendezvous():
-    code = ("import portddp, torch.distributed as d; w = portddp.init(); "
-            "print('WORLD', w.rank, w.size, w.launcher, d.get_rank(), d.get_world_size(), torch_threads())")
-    code = code.replace("torch_threads()", "__import__('torch').get_num_threads()")
+    # one write() per rank: a record is not split when mpirun merges the ranks' output
+    code = ("import os, torch, portddp, torch.distributed as d; w = portddp.init(); "
+            "os.write(1, f'WORLD {w.rank} {w.size} {w.launcher} {d.get_rank()} {d.get_world_size()} "
+            "{torch.get_num_threads()}\\n'.encode())")
     proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120)
     records = sorted(re.findall(r"WORLD (\d+) (\d+) (\w+) (\d+) (\d+) (\d+)", proc.stdout))
@@ -58,8 +59,8 @@ def test_unknown_backend():
 
 
 def test_torch_and_jax_distributed_in_one_process():
-    code = ("import portddp, torch.distributed as d; w = portddp.init(jax_distributed=True); import jax; "
-            "print('BOTH', w.rank, d.get_world_size(), jax.process_count(), jax.process_index())")
+    code = ("import os, portddp, torch.distributed as d; w = portddp.init(jax_distributed=True); import jax; "
+            "os.write(1, f'BOTH {w.rank} {d.get_world_size()} {jax.process_count()} {jax.process_index()}\\n'.encode())")
     proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120)
     # Ranks share one stdout: match records, not lines.

@@ -23,7 +23,7 @@ def run_case(rank: int, fn, *args) -> None:
     try:
         fn(*args)
     except Exception as e:  # the message is what is under test
-        sys.stdout.write(f"PORTDDP_ERROR rank={rank} {type(e).__name__}: {e}\n")
-        sys.stdout.flush()
+        # one write() per rank: the line is not split when mpirun merges the ranks' output
+        os.write(1, f"PORTDDP_ERROR rank={rank} {type(e).__name__}: {e}\n".encode())
         sys.exit(3)
-    print(f"PORTDDP_NO_ERROR rank={rank}", flush=True)
+    os.write(1, f"PORTDDP_NO_ERROR rank={rank}\n".encode())
