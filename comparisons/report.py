@@ -199,7 +199,7 @@ def overlap_section(payload: dict) -> str:
     return (table(["implementation", "overlap on (ms)", "overlap off (ms)", "speedup", "overlap ratio",
                    "exposed comm (ms)"], out)
             + "\n\nTimes: median (25th–75th percentile) of the timed iterations; a speedup smaller than that "
-              "spread is noise. Speedup = t(off) / t(on) − 1. The DDP paper's §5.1 reports, on 32 GPUs: {paper}. "
+              f"spread is noise. Speedup = t(off) / t(on) − 1. The DDP paper's §5.1 reports, on 32 GPUs: {paper}. "
               "Here two CPU ranks share two cores, so computation and communication also compete for the same "
               "cores: overlap can only hide the waiting, not the work of reducing.\n")
 
