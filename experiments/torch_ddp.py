@@ -23,6 +23,7 @@ from torch import nn
 
 import portddp
 from experiments.common import METRICS, environment, median, parse_config, print_results, ratios, write_result
+from experiments.impls import ModelConfig
 from portddp.data import regression_batch
 from portddp.models import TorchMLP
 from portddp.torch import DistributedDataParallel
@@ -31,17 +32,12 @@ IMPLEMENTATIONS = ("native", "portddp-c10d", "portddp-mpi", "local")
 
 
 @dataclasses.dataclass
-class Config:
-    width: int = dataclasses.field(default=1024, metadata={"help": "features per Linear layer"})
-    depth: int = dataclasses.field(default=8, metadata={"help": "number of Linear layers"})
-    batch: int = dataclasses.field(default=64, metadata={"help": "samples per rank per step"})
+class Config(ModelConfig):  # the benchmark MLP's width, depth, batch, lr and seed, plus:
     warmup: int = dataclasses.field(default=5, metadata={"help": "untimed steps per implementation"})
     rounds: int = dataclasses.field(default=5, metadata={"help": "interleaved rounds"})
     steps_per_round: int = dataclasses.field(default=6, metadata={"help": "timed steps per implementation per round"})
     bucket_cap_mb: float = dataclasses.field(default=25.0, metadata={"help": "bucket cap (MB), all implementations"})
     first_bucket_cap_mb: float = dataclasses.field(default=1.0, metadata={"help": "first bucket cap (MB)"})
-    lr: float = dataclasses.field(default=0.01, metadata={"help": "SGD learning rate (momentum 0.9)"})
-    seed: int = dataclasses.field(default=0, metadata={"help": "model and data seed"})
     impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS, metadata={"help": "what to run"})
     out: str = dataclasses.field(default="results/torch_ddp.json", metadata={"help": "JSON result path"})
 
