@@ -53,6 +53,14 @@ def test_four_accumulated_micro_batches_equal_one_batch(results, strategy):
     assert all(row["max_rel"] <= 1e-10 for row in rows), rows
 
 
+def test_hooked_grad_fn_inside_the_callers_jit(results):
+    """jax.jit(lambda p, b: update(p, grad_fn(p, b)[1])): the whole step one program, still bucketed and overlapped."""
+    _, rows = mpi.each_rank(results, "inside_user_jit")
+    for row in rows:
+        assert row["max_rel"] <= 1e-10 and row["iterations"] == 5, row
+        assert row["first_launch_before_backward_end"], row
+
+
 def test_hooked_and_compiled_give_the_same_gradients(results):
     _, rows = mpi.each_rank(results, "hooked_vs_compiled")
     assert all(row["max_rel"] <= 1e-12 for row in rows), rows

@@ -269,16 +269,39 @@ class DistributedDataParallel:
     # --------------------------------------------------------------- backward
     def _make_tap(self, b: int):
         """Identity on bucket b's parameters whose backward launches bucket b."""
-        return _host_tap(lambda *grads: self._bucket_ready(b, grads))
+        return _host_tap(lambda token, *grads: self._bucket_ready(b, grads))
 
     def _loss_tap(self):
         """Identity on the loss whose backward records the end of forward. The loss itself is
         handed to the callback, so that it cannot be scheduled before the forward is done."""
         return _host_tap(self._forward_done, keep_primal=True)
 
+    def _start(self):
+        """Identity on a scalar whose forward opens the iteration on the host (`_begin_iteration`).
+        Its output is the token every tap takes, so no tap's callback can run before it; the
+        taps' callbacks return the cotangents of that token, which flow back into `start`'s
+        input -- a value that exists only once every bucket has been launched."""
+
+        @jax.custom_vjp
+        def start(x):
+            return io_callback(self._begin_callback, jax.ShapeDtypeStruct((), jnp.float32), x, ordered=False)
+
+        def fwd(x):
+            return start(x), None
+
+        def bwd(_, ct):
+            return (ct,)
+
+        start.defvjp(fwd, bwd)
+        return start
+
+    def _begin_callback(self, _x):
+        self._begin_iteration()
+        return np.float32(0)
+
     def _forward_done(self, *_):
         self._events.forward_end_ns = _now()
-        return np.int32(0)
+        return np.float32(0)
 
     def _bucket_ready(self, b: int, grads) -> np.int32:
         """Host side of bucket b's tap: pack, mark ready, launch what the plan order allows."""
@@ -292,7 +315,7 @@ class DistributedDataParallel:
             self._ready[b] = True
             if self.overlap:
                 self._launch_ready_buckets()
-        return np.int32(0)
+        return np.float32(0)
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._buffers) and self._ready[self._next_launch]:
@@ -347,7 +370,6 @@ class DistributedDataParallel:
         if used.min() < self.world_size:
             raise unused_parameters_error(self._names, used.tolist(), self.world_size, self.rank,
                                           [1] * len(self._names))
-        return self._unpack()
 
     def _maybe_rebuild(self) -> None:
         """Once, at the call after the first synchronised one: re-plan from rank 0's observed order
@@ -371,14 +393,26 @@ class DistributedDataParallel:
         `batch` is the process's whole batch, split evenly over the devices."""
         loss_fn = _scalar_loss(loss_fn)
         local = jax.jit(jax.value_and_grad(loss_fn))
-        if self.strategy == "hooked":
-            synced = self._hooked_step(loss_fn)
-        else:
+        if self.strategy != "hooked":
             synced = self._timed(compiled.make_step(self, loss_fn))
+            return lambda params, batch, sync=True: synced(params, batch) if sync else local(params, batch)
+        program = self._hooked_step(loss_fn)
 
         def grad_fn(params, batch, sync: bool = True):
+            if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params)):
+                # Inside the caller's jit: the program is traced once, with today's plan, so the
+                # plan must not change under it -- no rebuild in this mode.
+                self._rebuilt, self._rebuild_order = True, None
+                return program(params, batch) if sync else local(params, batch)
             self._maybe_rebuild()
-            return synced(params, batch) if sync else local(params, batch)
+            if not sync:
+                return local(params, batch)
+            step = self._steps.get(id(program))
+            if step is None:  # first call, or the plan was rebuilt: trace again with the new taps
+                # A new function object each time: jax.jit caches traces per function.
+                step = self._steps[id(program)] = jax.jit(lambda params, batch: program(params, batch))
+            loss, grads = step(params, batch)
+            return loss, jax.block_until_ready(grads)
 
         return grad_fn
 
@@ -408,27 +442,48 @@ class DistributedDataParallel:
         return out
 
     def _hooked_step(self, loss_fn):
-        loss_tap = self._loss_tap()
+        """The synchronised step as one traceable program: host callbacks open the iteration,
+        launch each bucket as XLA produces its gradients, and finally wait for the reductions and
+        hand the reduced buckets back into the program. It can therefore be wrapped in the
+        caller's own jax.jit (with the optimizer update, say); called eagerly, it is jitted here."""
+        loss_tap, start = self._loss_tap(), self._start()
 
-        def tapped(params, batch):
-            # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (below).
+        def tapped(params, start_value, batch):
+            # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (grad_fn).
+            token = start(start_value)
             leaves = list(jax.tree_util.tree_leaves(params))
             for b, bucket in enumerate(self._plan.buckets):
-                tapped_leaves = self._taps[b]([leaves[self._leaf_of[k]] for k in bucket.params])
+                tapped_leaves = self._taps[b]([leaves[self._leaf_of[k]] for k in bucket.params], token)
                 for k, leaf in zip(bucket.params, tapped_leaves):
                     leaves[self._leaf_of[k]] = leaf
-            return loss_tap(loss_fn(jax.tree_util.tree_unflatten(self._treedef, leaves), batch))
+            return loss_tap(loss_fn(jax.tree_util.tree_unflatten(self._treedef, leaves), batch), token)
 
-        def step(params, batch):
-            synced = self._steps.get(id(tapped))
-            if synced is None:  # first call, or the plan was rebuilt
-                synced = self._steps[id(tapped)] = jax.jit(jax.value_and_grad(tapped))
-            self._begin_iteration()
-            loss, local_grads = synced(params, batch)
-            jax.block_until_ready(local_grads)  # every tap's callback has run
-            return loss, self._finalize()
+        def program(params, batch):
+            loss, (_, launched) = jax.value_and_grad(tapped, argnums=(0, 1))(params, jnp.float32(0), batch)
+            # `launched` depends on every tap's callback: this one runs after the last launch.
+            flats = io_callback(self._finish_callback,
+                                [jax.ShapeDtypeStruct((b.numel,), jnp.dtype(b.dtype)) for b in self._plan.buckets],
+                                launched, ordered=False)
+            return loss, self._unflatten(flats)
 
-        return step
+        return program
+
+    def _finish_callback(self, _launched):
+        """Host side of the end of the step: wait for every bucket, return the reduced buffers."""
+        self._finalize()
+        return [buf.copy() for buf in self._buffers]  # copies: the buffers are reused next step
+
+    def _unflatten(self, flats):
+        """Inside the program: reduced flat buckets -> the pytree, in its own layout."""
+        out = [None] * len(self._leaf_names)
+        for flat, bucket in zip(flats, self._plan.buckets):
+            for k, off in zip(bucket.params, bucket.offsets):
+                spec = self._plan.specs[k]
+                value = flat[off:off + spec.numel].reshape(spec.shape)
+                if self._perm[k] is not None:
+                    value = value.transpose(tuple(np.argsort(self._perm[k])))
+                out[self._leaf_of[k]] = value
+        return jax.tree_util.tree_unflatten(self._treedef, out)
 
     def reduce(self, grads):
         """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order."""
@@ -444,7 +499,8 @@ class DistributedDataParallel:
             with self._lock:
                 self._ready[b] = True
                 self._launch_ready_buckets()
-        return self._finalize()
+        self._finalize()
+        return self._unpack()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -469,20 +525,22 @@ class Canonical(NamedTuple):
 
 
 def _host_tap(on_backward, keep_primal: bool = False):
-    """An identity function whose backward rule calls `on_backward` on the host (io_callback)
-    with the cotangents -- preceded by the primal value if `keep_primal` -- as soon as XLA has
-    computed them, and passes the cotangents on unchanged."""
+    """`tap(x, token) -> x`, whose backward rule calls `on_backward` on the host (io_callback)
+    with (the primal value if `keep_primal`,) the token and the cotangents of x, as soon as XLA
+    has computed them. It passes the cotangents on unchanged, and the callback's float32 result
+    becomes the token's cotangent: whatever depends on that has to wait for the callback."""
 
     @jax.custom_vjp
-    def tap(x):
+    def tap(x, token):
         return x
 
-    def fwd(x):
-        return x, (x if keep_primal else None)
+    def fwd(x, token):
+        return x, (x if keep_primal else None, token)
 
-    def bwd(primal, g):
-        io_callback(on_backward, jax.ShapeDtypeStruct((), jnp.int32), *jax.tree.leaves((primal, g)), ordered=False)
-        return (g,)
+    def bwd(residual, g):
+        done = io_callback(on_backward, jax.ShapeDtypeStruct((), jnp.float32), *jax.tree.leaves((residual, g)),
+                           ordered=False)
+        return g, done
 
     tap.defvjp(fwd, bwd)
     return tap

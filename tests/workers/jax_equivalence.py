@@ -97,6 +97,21 @@ def vs_global_batch(dtype: str, strategy: str, overlap: bool = True):
     common.report(WORLD.rank, f"global_batch/{strategy}/{dtype}/overlap={overlap}", **fields)
 
 
+def inside_user_jit():
+    """grad_fn inside the caller's own jax.jit, with the update: one program per step, still bucketed."""
+    ddp, params = make_ddp("float64", "hooked")
+    grad_fn = ddp.value_and_grad(loss_fn)
+    train = jax.jit(lambda p, b: sgd(p, grad_fn(p, b)[1]))
+    ref = init_params(100, "float64")
+    for step in range(STEPS):
+        params = train(params, my_batch(ddp, step, "float64"))
+        ref = sgd(ref, jax.grad(loss_fn)(ref, global_batch(regression_batch, ddp.world_size, 3, step, batch=BATCH,
+                                                           in_dim=IN, out_dim=OUT, dtype="float64")))
+    ev = ddp.stats()["events"]
+    common.report(WORLD.rank, "inside_user_jit", max_rel=rel_diff(params, ref), iterations=ddp.stats()["iterations"],
+                  first_launch_before_backward_end=min(b.launch_ns for b in ev.buckets) < ev.backward_end_ns)
+
+
 def accumulate4(strategy: str):
     """Four quarter micro-batches, sync=False, summed and reduced = the one-batch gradient."""
     ddp, params = make_ddp("float64", strategy)
@@ -200,6 +215,7 @@ def main():
             vs_global_batch(dtype, strategy)
         accumulate4(strategy)
     vs_global_batch("float64", "hooked", overlap=False)
+    inside_user_jit()
     hooked_vs_compiled()
     same_plan_as_torch()
     nnx_state()
