@@ -9,7 +9,6 @@ import pytest
 from tests import mpi
 
 CASES = [
-    (2, "mlp", "float64", "sgd"),
     (2, "gpt", "float32", "adamw"),
     (2, "cnn", "float64", "adamw"),
     (3, "gpt", "float64", "sgd"),
