@@ -14,6 +14,9 @@ Mirrors portddp/torch/ddp.py. What JAX forces to differ:
   waiting for every bucket, in the input pytree structure.
 * Every parameter gets a gradient (zeros if unused), so there is no
   `find_unused_parameters`; `sync=False` plays the role of `no_sync()`.
+* No `gradient_as_bucket_view` (gradients are fresh arrays, there is no
+  `.grad` to alias) and no `broadcast_buffers` (a parameter pytree has no
+  buffers: non-trainable state stays with the caller).
 
 strategy="hooked" is the above. strategy="compiled" and strategy="pmap" leave
 the scheduling to XLA: one psum per bucket inside the compiled step
