@@ -10,10 +10,11 @@ import os
 import platform
 import statistics
 import sys
+import time
 import typing
 from pathlib import Path
 
-__all__ = ["parse_config", "median", "write_result", "environment"]
+__all__ = ["parse_config", "median", "write_result", "environment", "Memory"]
 
 
 def parse_config(cls, argv=None, description: str | None = None):
@@ -100,3 +101,58 @@ def print_results(results: dict, title: str, extra: dict[str, str]) -> None:
             cells.append(f"{value:.3g}" if isinstance(value, float) else str(value))
         table.add_row(*cells)
     Console(width=170).print(table)
+
+
+class Memory:
+    """Resident memory of this process (Linux /proc), for "how much did this add at its peak".
+
+        mem = Memory()           # also makes glibc hand large blocks back to the OS at free(),
+        mem.start()              # so a freed tensor does not linger in the heap as resident memory
+        ... build and run something ...
+        mem.peak_mb()            # peak RSS since start() minus RSS at start(), in MB
+
+    The peak is the kernel's high-water mark (VmHWM), reset by writing 5 to
+    /proc/self/clear_refs: exact, not sampled. Elsewhere every reading is None."""
+
+    def __init__(self):
+        self.ok = os.path.exists("/proc/self/clear_refs")
+        self._base = 0
+        if self.ok:
+            import ctypes  # noqa: PLC0415
+
+            libc = ctypes.CDLL(None)
+            if hasattr(libc, "mallopt"):
+                libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: blocks >= 1 MB are mmap'd (freed = returned)
+                libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: trim the heap top above 1 MB
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def rss_mb(self) -> float | None:
+        return self._status("VmRSS:") / 2**20 if self.ok else None
+
+    def start(self) -> None:
+        if self.ok:
+            import gc  # noqa: PLC0415
+
+            gc.collect()
+            # Wait (up to 2 s) for the resident size to settle: XLA frees its buffers asynchronously.
+            last, t0 = -1, time.monotonic()
+            while (now := self._status("VmRSS:")) != last and time.monotonic() - t0 < 2:
+                last = now
+                time.sleep(0.05)
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.ok = False
+                return
+            self._base = self._status("VmRSS:")
+
+    def peak_mb(self) -> float | None:
+        return (self._status("VmHWM:") - self._base) / 2**20 if self.ok else None

@@ -20,13 +20,13 @@ import time
 
 import portddp
 from experiments.common import METRICS, environment, median, parse_config, print_results, ratios, write_result
-from experiments.impls import ModelConfig
+from experiments.impls import MLPConfig
 
 IMPLEMENTATIONS = ("hooked", "compiled", "local")
 
 
 @dataclasses.dataclass
-class Config(ModelConfig):  # the benchmark MLP's width, depth, batch, lr and seed, plus:
+class Config(MLPConfig):  # the benchmark MLP's width, depth, batch, lr and seed, plus:
     warmup: int = dataclasses.field(default=5, metadata={"help": "untimed steps per implementation (compiles)"})
     rounds: int = dataclasses.field(default=5, metadata={"help": "interleaved rounds"})
     steps_per_round: int = dataclasses.field(default=6, metadata={"help": "timed steps per implementation per round"})

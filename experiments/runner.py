@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import portddp
-from experiments.common import environment, median, write_result
-from experiments.impls import IMPLEMENTATIONS, ModelConfig, check_implementations, make_trainer
+from experiments.common import Memory, environment, median, write_result
+from experiments.impls import IMPLEMENTATIONS, ModelConfig, Workload, check_implementations, make_trainer
 from portddp.launch import detect
 from portddp.timeline import IterationEvents, chrome_trace
 
@@ -39,6 +39,8 @@ class Variant:
     knobs: dict
     group: str  # variants of a group are interleaved with each other
     params: dict  # what the report groups and plots by, e.g. {"bucket_cap_mb": 4.0}
+    model: dict = dataclasses.field(default_factory=dict)  # ModelConfig fields to change, e.g. {"model": "gpt"}
+    warmup: int | None = None  # untimed steps, if not the config's (e.g. bucket_cap_mb="auto" tunes during them)
 
 
 def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentConfig, object], Sequence[Variant]]
@@ -54,16 +56,22 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
     groups: dict[str, list[Variant]] = {}
     for v in variants:
         groups.setdefault(v.group, []).append(v)
-    say(f"{name}: {len(variants)} variants in {len(groups)} group(s), {world.size} ranks, "
-        f"{cfg.depth} x Linear({cfg.width}), batch {cfg.batch}/rank", flush=True)
+    say(f"{name}: {len(variants)} variants in {len(groups)} group(s), {world.size} ranks", flush=True)
+    memory = Memory()
     rows, traces = [], []
     for g, (group, members) in enumerate(groups.items(), start=1):
-        trainers = {v.label: make_trainer(v.impl, cfg, world, **v.knobs) for v in members}
+        say(f"  [{g}/{len(groups)}] {group}: {Workload(_model_cfg(cfg, members[0])).describe()}; building "
+            f"and warming up {len(members)} variant(s)", flush=True)
+        trainers, peak_mb = {}, {}
+        for v in members:
+            # Built and warmed up one at a time, so that each one's peak resident memory is its own.
+            memory.start()
+            trainers[v.label] = t = make_trainer(v.impl, _model_cfg(cfg, v), world, **v.knobs)
+            for _ in range(cfg.warmup if v.warmup is None else v.warmup):
+                t.step()
+            peak_mb[v.label] = memory.peak_mb()
         times = {label: [] for label in trainers}
         stats = {label: [] for label in trainers}
-        for t in trainers.values():
-            for _ in range(cfg.warmup):
-                t.step()
         for _ in range(cfg.rounds):
             for label, t in trainers.items():
                 for _ in range(cfg.steps_per_round):
@@ -74,9 +82,11 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
             events = t.events()
             rows.append({
                 "label": v.label, "impl": v.impl, "group": group, "params": v.params, "knobs": v.knobs,
+                "model": _model_cfg(cfg, v).model, "peak_mb": peak_mb[v.label], "grad_mb": t.grad_mb(),
                 "median_s": median(times[v.label]), "times_s": times[v.label], "loss": t.loss,
                 "metrics": _median_metrics(stats[v.label]),
                 "hlo": stats[v.label][-1].get("hlo") if stats[v.label] else None,
+                "auto": t.autotune(),
                 "events": events.to_dict() if events is not None else None,
             })
         traces += _gather_events(members, trainers)
@@ -87,12 +97,18 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
     payload = {"experiment": name, "portddp_version": portddp.__version__, "command": command,
                "config": dataclasses.asdict(cfg),
                "world": dataclasses.asdict(world), "environment": environment(), "rows": rows}
+    payload["path"] = f"{cfg.out_dir}/{name}-n{world.size}.json"
     if world.rank == 0:
-        path = write_result(f"{cfg.out_dir}/{name}-n{world.size}.json", payload)
+        path = write_result(payload["path"], payload)
         trace = Path(cfg.out_dir) / f"{name}-n{world.size}.trace.json"
         trace.write_text(chrome_trace(traces))
         print(f"wrote {path} and {trace} (open in https://ui.perfetto.dev)")
     return payload
+
+
+def _model_cfg(cfg: ExperimentConfig, v: Variant) -> ModelConfig:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: getattr(cfg, k) for k in fields} | v.model)
 
 
 def _gather_events(members, trainers) -> list:

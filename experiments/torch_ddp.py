@@ -23,7 +23,7 @@ from torch import nn
 
 import portddp
 from experiments.common import METRICS, environment, median, parse_config, print_results, ratios, write_result
-from experiments.impls import ModelConfig
+from experiments.impls import MLPConfig
 from portddp.data import regression_batch
 from portddp.models import TorchMLP
 from portddp.torch import DistributedDataParallel
@@ -32,7 +32,7 @@ IMPLEMENTATIONS = ("native", "portddp-c10d", "portddp-mpi", "local")
 
 
 @dataclasses.dataclass
-class Config(ModelConfig):  # the benchmark MLP's width, depth, batch, lr and seed, plus:
+class Config(MLPConfig):  # the benchmark MLP's width, depth, batch, lr and seed, plus:
     warmup: int = dataclasses.field(default=5, metadata={"help": "untimed steps per implementation"})
     rounds: int = dataclasses.field(default=5, metadata={"help": "interleaved rounds"})
     steps_per_round: int = dataclasses.field(default=6, metadata={"help": "timed steps per implementation per round"})

@@ -156,6 +156,7 @@ def cap_bytes(value, what: str) -> int:
         raise ValueError(
             f"{what}={value!r} is not a valid bucket size: pass a number of megabytes > 0 "
             f"(e.g. {what}=25.0), or math.inf for a single bucket"
+            + (", or 'auto' to time a few caps and keep the fastest" if what == "bucket_cap_mb" else "")
         )
     if math.isinf(value):
         return 2**63 - 1  # PyTorch uses sys.maxsize for "one bucket"

@@ -27,9 +27,16 @@ def regression_batch(seed: int, step: int, rank: int, batch: int, in_dim: int, o
     """(x, y) with x ~ N(0, 1) of shape (batch, in_dim) and a noisy linear target."""
     rng = np.random.default_rng([seed, step, rank])
     x = rng.standard_normal((batch, in_dim))
-    w = np.random.default_rng([seed, 2**31 - 1]).standard_normal((in_dim, out_dim)) / np.sqrt(in_dim)
-    y = x @ w + 0.1 * rng.standard_normal((batch, out_dim))
+    y = x @ _target_weights(seed, in_dim, out_dim) + 0.1 * rng.standard_normal((batch, out_dim))
     return x.astype(dtype), y.astype(dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _target_weights(seed: int, in_dim: int, out_dim: int) -> np.ndarray:
+    """The regression target's weights: one fixed matrix per (seed, shape), built once."""
+    w = np.random.default_rng([seed, 2**31 - 1]).standard_normal((in_dim, out_dim)) / np.sqrt(in_dim)
+    w.flags.writeable = False
+    return w
 
 
 @functools.cache

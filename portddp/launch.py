@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import ipaddress
 import os
+import shutil
 import socket
 import sys
 
@@ -178,6 +179,7 @@ def init(
     num_threads: int | None = None,
     torch_distributed: bool = True,
     jax_distributed: bool = False,
+    watchdog: bool = True,
 ) -> World:
     """Join the job: detect rank/world and initialise c10d's default group.
 
@@ -188,6 +190,8 @@ def init(
     torch_distributed: False skips c10d (e.g. transport="mpi" only).
     jax_distributed: also start jax.distributed (CPU collectives over Gloo), which
         portddp.jax's "compiled" strategy needs; call init() before any JAX computation.
+    watchdog: watch the other ranks on this host and exit (code 70, naming the lost
+        rank) as soon as one dies, instead of hanging in a collective (portddp.watchdog).
     """
     global _WORLD
     w = detect()
@@ -204,8 +208,35 @@ def init(
         _init_c10d(w, backend or "gloo", timeout_s)
     if jax_distributed:
         _init_jax(w, timeout_s)
+    if watchdog and w.size > 1:
+        _start_watchdog(w, torch_distributed)
     _WORLD = w
     return w
+
+
+_WATCHDOG = None
+
+
+def _start_watchdog(w: World, torch_distributed: bool) -> None:
+    """Exchange (host, pid) and start portddp.watchdog, once per process."""
+    global _WATCHDOG
+    from portddp import watchdog  # noqa: PLC0415
+
+    if _WATCHDOG is not None:
+        return
+    me = (socket.gethostname(), os.getpid())
+    if w.rank == 0:  # a leftover of an earlier job with the same pid must not vouch for anyone
+        shutil.rmtree(watchdog.marker_dir(*me), ignore_errors=True)
+    if w.launcher == "mpirun":
+        peers = mpi_comm().allgather(me)
+    elif torch_distributed:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        peers = [None] * w.size
+        dist.all_gather_object(peers, me)
+    else:
+        return  # no channel to learn the others' pids before any collective
+    _WATCHDOG = watchdog.start(w.rank, peers)
 
 
 def _init_jax(w: World, timeout_s: float) -> None:

@@ -53,6 +53,17 @@ def test_four_accumulated_micro_batches_equal_one_batch(results, strategy):
     assert all(row["max_rel"] <= 1e-10 for row in rows), rows
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_auto_bucket_cap_picks_one_cap_on_every_rank(results, strategy):
+    _skip_pmap_beyond_one_process(results, strategy)
+    _, rows = mpi.each_rank(results, f"auto_cap/{strategy}")
+    assert len({r["chosen"] for r in rows}) == 1, rows
+    for row in rows:
+        assert row["chosen"] in row["candidates"] and row["cap_in_use"] == row["chosen"], row
+        assert row["plan_cap_mb"] == pytest.approx(row["chosen"], rel=1e-6), row
+        assert row["max_rel"] <= 1e-10, row
+
+
 def test_hooked_grad_fn_inside_the_callers_jit(results):
     """jax.jit(lambda p, b: update(p, grad_fn(p, b)[1])): the whole step one program, still bucketed and overlapped."""
     _, rows = mpi.each_rank(results, "inside_user_jit")

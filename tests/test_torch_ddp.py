@@ -75,6 +75,16 @@ def test_buckets_overlap_backward_only_when_asked(results, transport):
         assert row["overlap_ratio"] == 0.0, row
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_auto_bucket_cap_picks_one_cap_on_every_rank_and_changes_no_number(results, transport):
+    n, rows = each_rank(results, f"auto_cap/{transport}")
+    assert len({r["chosen"] for r in rows}) == 1, rows
+    for row in rows:
+        assert row["chosen"] in row["candidates"] and row["cap_in_use"] == row["chosen"], row
+        assert row["plan_cap_mb"] == pytest.approx(row["chosen"], rel=1e-6), row
+        assert row["bitwise"] if n <= 2 else row["max_diff"] <= 2e-5, row
+
+
 # --------------------------------------------------------------- bad input
 BAD = [
     ("shape_mismatch", TRANSPORTS, r"model mismatch across ranks: parameter #2 is '1\.weight' \(8, 8\) float32 on rank 0 but '1\.weight' \(9, 8\)"),

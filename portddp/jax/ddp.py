@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
 from portddp.jax import compiled
 from portddp.protocol import check_same_specs, unused_parameters_error
@@ -82,7 +83,9 @@ class DistributedDataParallel:
 
     Args:
         params: the pytree whose structure, shapes and dtypes define the plan.
-        bucket_cap_mb, first_bucket_cap_mb: as in portddp.torch.
+        bucket_cap_mb, first_bucket_cap_mb: as in portddp.torch, "auto" included
+            (it times synchronised grad_fn calls, so it needs grad_fn called eagerly,
+            not inside your own jax.jit).
         strategy: "hooked" (custom_vjp taps + MPI comm thread), "compiled"
             (shard_map over all processes, one psum per bucket; needs
             portddp.init(jax_distributed=True) under mpirun) or "pmap" (this
@@ -98,7 +101,7 @@ class DistributedDataParallel:
         pmap_devices: strategy="pmap" only: how many local devices (default all).
     """
 
-    def __init__(self, params, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
+    def __init__(self, params, bucket_cap_mb: float | str = 25.0, first_bucket_cap_mb: float = 1.0,
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
                  canonical=None, pmap_devices: int | None = None):
         if strategy not in STRATEGIES:
@@ -107,6 +110,9 @@ class DistributedDataParallel:
             raise ValueError(f"unknown transport {transport!r}: portddp.jax supports {TRANSPORTS}")
         if order is not None and canonical is not None:
             raise ValueError("pass order= or canonical= (which implies the order), not both")
+        self._tuner = CapTuner() if isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto" else None
+        if self._tuner is not None:
+            bucket_cap_mb = self._tuner.first
         cap_bytes(bucket_cap_mb, "bucket_cap_mb")
         cap_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
         self.strategy, self.transport, self.overlap = strategy, transport, overlap
@@ -154,10 +160,10 @@ class DistributedDataParallel:
         self._install_plan(plan_buckets(specs, bucket_cap_mb, first_bucket_cap_mb))
         self._rebuilt = strategy != "hooked"  # XLA schedules the other strategies: nothing to rebuild
         self._rebuild_order: list[int] | None = None
+        self._observed_order: list[int] | None = None
         self._last_events: IterationEvents | None = None
         self._iterations = 0
         self._iteration_time = 0.0
-        self._hlo: dict = {}
 
     # ------------------------------------------------------------------ setup
     def _registration_order(self, order) -> list[int]:
@@ -201,6 +207,7 @@ class DistributedDataParallel:
         self._taps = [self._make_tap(b) for b in range(len(plan.buckets))]
         self._reduce_step = None
         self._steps: dict = {}  # jitted steps, per loss_fn, traced with this plan's taps
+        self._hlo: dict = {}  # compiled: what XLA made of this plan (filled at the first step)
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -383,10 +390,27 @@ class DistributedDataParallel:
         order[: len(self._rebuild_order)] = self._rebuild_order
         if self.world_size > 1:
             self._transport.broadcast(order, root=0).wait()
-        self._install_plan(rebuild_plan(self._plan, [int(i) for i in order if i >= 0], self.bucket_cap_mb,
+        self._observed_order = [int(i) for i in order if i >= 0]
+        self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
                                         self.first_bucket_cap_mb))
         self._rebuild_order = None
         self._rebuilt = True
+
+    def _autotune(self) -> None:
+        """bucket_cap_mb="auto": the cap this call uses; re-plan when it changes (which re-traces)."""
+        if self._tuner is None or self._tuner.done:
+            return
+        cap = self._tuner.start_iteration(_now())
+        if cap is None:  # trials over: agree on the winner (a collective, on every rank)
+            gather = self._transport.allgather_object if self._transport is not None else (lambda x: [x])
+            cap = self._tuner.decide(gather, self.rank)
+        if cap != self.bucket_cap_mb:
+            self.bucket_cap_mb = cap
+            order = self._observed_order
+            # Hooked: the observed order (or the pending rebuild uses the new cap); others: the initial order.
+            if self._rebuild_order is None:
+                self._install_plan(rebuild_plan(self._plan, order, cap, self.first_bucket_cap_mb) if order is not None
+                                   else plan_buckets(self._plan.specs, cap, self.first_bucket_cap_mb))
 
     def value_and_grad(self, loss_fn):
         """`grad_fn(params, batch, sync=True) -> (loss, grads)`: grads are the mean over
@@ -397,7 +421,13 @@ class DistributedDataParallel:
         loss_fn = _scalar_loss(loss_fn)
         local = jax.jit(jax.value_and_grad(loss_fn))
         if self.strategy != "hooked":
-            synced = self._timed(compiled.make_step(self, loss_fn))
+            def synced(params, batch):
+                self._autotune()
+                step = self._steps.get(id(loss_fn))
+                if step is None:  # first call, or the plan changed ("auto"): compile with this plan
+                    step = self._steps[id(loss_fn)] = self._timed(compiled.make_step(self, loss_fn))
+                return step(params, batch)
+
             return lambda params, batch, sync=True: synced(params, batch) if sync else local(params, batch)
         program = self._hooked_step(loss_fn)
 
@@ -405,8 +435,13 @@ class DistributedDataParallel:
             if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params)):
                 # Inside the caller's jit: the program is traced once, with today's plan, so the
                 # plan must not change under it -- no rebuild in this mode.
+                if self._tuner is not None:
+                    raise ValueError("bucket_cap_mb='auto' re-plans between grad_fn calls, which cannot happen "
+                                     "inside your own jax.jit: pass a number of MB, or call grad_fn outside jit")
                 self._rebuilt, self._rebuild_order = True, None
                 return program(params, batch) if sync else local(params, batch)
+            if sync:
+                self._autotune()
             self._maybe_rebuild()
             if not sync:
                 return local(params, batch)
@@ -464,28 +499,32 @@ class DistributedDataParallel:
         def program(params, batch):
             loss, (_, launched) = jax.value_and_grad(tapped, argnums=(0, 1))(params, jnp.float32(0), batch)
             # `launched` depends on every tap's callback: this one runs after the last launch.
-            flats = io_callback(self._finish_callback,
-                                [jax.ShapeDtypeStruct((b.numel,), jnp.dtype(b.dtype)) for b in self._plan.buckets],
-                                launched, ordered=False)
-            return loss, self._unflatten(flats)
+            # One array per parameter (canonical layout, plan order): XLA copies the callback's
+            # results into its own buffers, so the host hands out views of the bucket buffers.
+            specs = [self._plan.specs[k] for b in self._plan.buckets for k in b.params]
+            reduced = io_callback(self._finish_callback,
+                                  [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in specs],
+                                  launched, ordered=False)
+            return loss, self._to_tree(reduced)
 
         return program
 
     def _finish_callback(self, _launched):
-        """Host side of the end of the step: wait for every bucket, return the reduced buffers."""
+        """Host side of the end of the step: wait for every bucket; hand back each parameter's
+        reduced gradient as a view of its bucket (XLA copies it out before the next step)."""
         self._finalize()
-        return [buf.copy() for buf in self._buffers]  # copies: the buffers are reused next step
+        return [buf[off:off + self._plan.specs[k].numel].reshape(self._plan.specs[k].shape)
+                for buf, bucket in zip(self._buffers, self._plan.buckets)
+                for k, off in zip(bucket.params, bucket.offsets)]
 
-    def _unflatten(self, flats):
-        """Inside the program: reduced flat buckets -> the pytree, in its own layout."""
+    def _to_tree(self, reduced):
+        """Inside the program: per-parameter arrays in plan order -> the pytree, in its own layout."""
         out = [None] * len(self._leaf_names)
-        for flat, bucket in zip(flats, self._plan.buckets):
-            for k, off in zip(bucket.params, bucket.offsets):
-                spec = self._plan.specs[k]
-                value = flat[off:off + spec.numel].reshape(spec.shape)
-                if self._perm[k] is not None:
-                    value = value.transpose(tuple(np.argsort(self._perm[k])))
-                out[self._leaf_of[k]] = value
+        ks = [k for bucket in self._plan.buckets for k in bucket.params]
+        for k, value in zip(ks, reduced):
+            if self._perm[k] is not None:
+                value = value.transpose(tuple(np.argsort(self._perm[k])))
+            out[self._leaf_of[k]] = value
         return jax.tree_util.tree_unflatten(self._treedef, out)
 
     def reduce(self, grads):
@@ -508,11 +547,14 @@ class DistributedDataParallel:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
+        extra = {"iterations": self._iterations, "bucket_cap_mb": self.bucket_cap_mb}
+        if self._tuner is not None:
+            extra["autotune"] = self._tuner.summary()
         if self.strategy != "hooked":
-            return {"iteration_time": self._iteration_time, "iterations": self._iterations, "hlo": self._hlo}
+            return {"iteration_time": self._iteration_time, "hlo": self._hlo} | extra
         if self._last_events is None:
             return {}
-        return self._last_events.stats() | {"iterations": self._iterations, "plan_rebuilt": self._rebuilt}
+        return self._last_events.stats() | extra | {"plan_rebuilt": self._rebuilt}
 
 
 class Canonical(NamedTuple):

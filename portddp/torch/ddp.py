@@ -29,6 +29,7 @@ import time
 import torch
 from torch import nn
 
+from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
 from portddp.protocol import check_same_specs, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
@@ -76,7 +77,9 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model; every rank must build the same one.
-        bucket_cap_mb: bucket size cap in MB (math.inf: one bucket per dtype).
+        bucket_cap_mb: bucket size cap in MB (math.inf: one bucket per dtype), or
+            "auto": time a few caps during the first iterations and keep the
+            fastest (portddp.autotune; the choice is in stats()["autotune"]).
         first_bucket_cap_mb: cap of the first bucket (the last layers' gradients),
             small so that communication starts early.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to
@@ -95,7 +98,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | str = 25.0,
         first_bucket_cap_mb: float = 1.0,
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
@@ -109,6 +112,9 @@ class DistributedDataParallel(nn.Module):
         # sees the same arguments, so every rank raises the same error.
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}: choose one of {TRANSPORTS}")
+        self._tuner = CapTuner() if isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto" else None
+        if self._tuner is not None:
+            bucket_cap_mb = self._tuner.first
         cap_bytes(bucket_cap_mb, "bucket_cap_mb")
         cap_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
         self.module = module
@@ -143,6 +149,7 @@ class DistributedDataParallel(nn.Module):
             self._broadcast_state()
         self._rebuilt = False
         self._rebuild_order: list[int] | None = None
+        self._observed_order: list[int] | None = None  # rank 0's, once the plan was rebuilt
         self._sync = False
         self._expect_grads = False
         self._last_events: IterationEvents | None = None
@@ -225,6 +232,9 @@ class DistributedDataParallel(nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
         start = _now()
+        if self._tuner is not None and not self._tuner.done and torch.is_grad_enabled() \
+                and self.require_backward_grad_sync:
+            self._autotune(start)
         if self._rebuild_order is not None:
             self._rebuild()
         if self.broadcast_buffers and self._module_buffers and self.world_size > 1:
@@ -383,14 +393,28 @@ class DistributedDataParallel(nn.Module):
         order[: len(self._rebuild_order)] = torch.tensor(self._rebuild_order, dtype=torch.int64)
         if self.world_size > 1:
             self._comm.broadcast_([order], src=0)
-        ready = [i for i in order.tolist() if i >= 0]
-        self._install_plan(rebuild_plan(self._plan, ready, self.bucket_cap_mb, self.first_bucket_cap_mb))
+        self._observed_order = [i for i in order.tolist() if i >= 0]
+        self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
+                                        self.first_bucket_cap_mb))
         self._rebuild_order = None
         self._rebuilt = True
+
+    def _autotune(self, now: int) -> None:
+        """bucket_cap_mb="auto": the cap this iteration uses; re-plan (observed order) when it changes."""
+        cap = self._tuner.start_iteration(now)
+        if cap is None:  # trials over: agree on the winner (a collective, on every rank)
+            cap = self._tuner.decide(self._comm.allgather_object, self.rank)
+        if cap != self.bucket_cap_mb:
+            self.bucket_cap_mb = cap
+            if self._observed_order is not None:  # else the pending rebuild plans with the new cap
+                self._install_plan(rebuild_plan(self._plan, self._observed_order, cap, self.first_bucket_cap_mb))
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         if self._last_events is None:
             return {}
-        return self._last_events.stats() | {"iterations": self._iterations, "plan_rebuilt": self._rebuilt}
+        extra = {"iterations": self._iterations, "plan_rebuilt": self._rebuilt, "bucket_cap_mb": self.bucket_cap_mb}
+        if self._tuner is not None:
+            extra["autotune"] = self._tuner.summary()
+        return self._last_events.stats() | extra

@@ -97,6 +97,24 @@ def vs_global_batch(dtype: str, strategy: str, overlap: bool = True):
     common.report(WORLD.rank, f"global_batch/{strategy}/{dtype}/overlap={overlap}", **fields)
 
 
+def auto_cap(strategy: str):
+    """bucket_cap_mb="auto": 20 float64 steps against the global batch; the choice, per rank."""
+    from portddp.autotune import CANDIDATES_MB  # noqa: PLC0415
+
+    params = init_params(100, "float64")
+    ddp = DistributedDataParallel(params, bucket_cap_mb="auto", first_bucket_cap_mb=CAP_MB / 4, strategy=strategy)
+    grad_fn, ref_grad, ref = ddp.value_and_grad(loss_fn), jax.jit(jax.grad(loss_fn)), params
+    steps = 2 + len(CANDIDATES_MB) * 4
+    for step in range(steps):
+        params = sgd(params, grad_fn(params, my_batch(ddp, step, "float64"))[1])
+        ref = sgd(ref, ref_grad(ref, global_batch(regression_batch, ddp.world_size, 3, step, batch=BATCH,
+                                                  in_dim=IN, out_dim=OUT, dtype="float64")))
+    summary = ddp.stats()["autotune"]
+    common.report(WORLD.rank, f"auto_cap/{strategy}", max_rel=rel_diff(params, ref), chosen=summary["chosen_mb"],
+                  candidates=summary["candidates_mb"], cap_in_use=ddp.bucket_cap_mb,
+                  plan_cap_mb=ddp.bucket_plan.buckets[-1].cap_bytes / 2**20)
+
+
 def inside_user_jit():
     """grad_fn inside the caller's own jax.jit, with the update: one program per step, still bucketed."""
     ddp, params = make_ddp("float64", "hooked")
@@ -214,6 +232,7 @@ def main():
         for dtype in ("float64", "float32"):
             vs_global_batch(dtype, strategy)
         accumulate4(strategy)
+        auto_cap(strategy)
     vs_global_batch("float64", "hooked", overlap=False)
     inside_user_jit()
     hooked_vs_compiled()

@@ -178,6 +178,24 @@ def overlap_events(transport, rank):
                ordered=all(a.launch_ns <= b.launch_ns for a, b in zip(ev.buckets, ev.buckets[1:])))
 
 
+def auto_cap(transport, rank):
+    """bucket_cap_mb="auto" trains exactly like native DDP while it tries caps; every rank picks the same."""
+    from portddp.autotune import CANDIDATES_MB  # noqa: PLC0415
+
+    steps = 2 + len(CANDIDATES_MB) * 4
+    native_model, ours_model = make(), make()
+    native = nn.parallel.DistributedDataParallel(native_model, bucket_cap_mb=CAP_MB)
+    ours = DistributedDataParallel(ours_model, bucket_cap_mb="auto", first_bucket_cap_mb=CAP_MB,
+                                   transport=transport)
+    train(native, native_model, rank, steps=steps)
+    train(ours, ours_model, rank, steps=steps)
+    diff, equal = max_diff(native_model, ours_model)
+    summary = ours.stats()["autotune"]
+    report(f"auto_cap/{transport}", max_diff=diff, bitwise=equal, chosen=summary["chosen_mb"],
+           candidates=summary["candidates_mb"], cap_in_use=ours.bucket_cap_mb,
+           plan_cap_mb=ours.bucket_plan.buckets[-1].cap_bytes / 2**20)
+
+
 def main():
     w = portddp.init()
     transports = sys.argv[1:] or ["c10d", "mpi"]
@@ -192,6 +210,7 @@ def main():
         float64_vs_single_process(transport, w.rank, w.size)
         hooks_vs_numpy(transport, w.rank, w.size)
         overlap_events(transport, w.rank)
+        auto_cap(transport, w.rank)
 
 
 if __name__ == "__main__":

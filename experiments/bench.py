@@ -1,0 +1,161 @@
+"""The benchmark: every implementation side by side, per model, in one run.
+
+    mpirun -n 2 python -m experiments.bench                # or: portddp run bench -n 2
+    mpirun -n 2 python -m experiments.bench --models mlp --rounds 5
+
+For the benchmark MLP (8 x Linear(1024, 1024), batch 64 per rank) and the ~25M
+parameter `gpt` twin: the step with no communication (torch-local, jax-local:
+the limits), native DDP (Gloo), portddp.torch (c10d; mpi; mpi with
+gradient_as_bucket_view), portddp.jax (hooked, compiled). Warm-up, then
+interleaved rounds (noise hits every implementation alike); per-iteration
+medians, ratios to native DDP and to the framework's own limit, overlap ratio,
+exposed communication, the memory holding gradients after a step (every
+distinct .grad storage plus portddp's bucket buffers), and the peak resident
+memory each one added while it was built and warmed up (Linux VmHWM; memory an
+earlier variant freed can be reused, so read it as approximate). Then, on the MLP, a fixed-cap sweep beside
+bucket_cap_mb="auto". JSON in results/bench-n<N>.json; the last line holds the
+headline ratios (each the worse of the two models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from experiments import runner
+from experiments.common import parse_config
+from portddp.autotune import CANDIDATES_MB
+
+TORCH_DDP = ("torch-c10d", "torch-mpi", "torch-mpi+view")
+HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit", "jax_hooked_vs_limit",
+            "jax_hooked_overlap")
+
+
+@dataclasses.dataclass
+class Config(runner.ExperimentConfig):
+    models: tuple[str, ...] = dataclasses.field(default=("mlp", "gpt"), metadata={"help": "mlp and/or gpt"})
+    gpt_batch: int = dataclasses.field(default=4, metadata={"help": "gpt: sequences per rank per step"})
+    sweep: bool = dataclasses.field(default=True, metadata={"help": "the MLP's fixed-cap sweep beside 'auto'"})
+    sweep_impls: tuple[str, ...] = dataclasses.field(default=("torch-mpi", "jax-hooked"),
+                                                     metadata={"help": "implementations in the sweep"})
+    rounds: int = dataclasses.field(default=4, metadata={"help": "interleaved rounds"})
+    steps_per_round: int = dataclasses.field(default=3, metadata={"help": "timed steps per variant per round"})
+    warmup: int = dataclasses.field(default=4, metadata={"help": "untimed steps per variant (JAX compiles here)"})
+
+
+def _auto_warmup() -> int:
+    """Steps 'auto' needs before its choice is made (portddp.autotune's schedule), plus one."""
+    return 2 + len(CANDIDATES_MB) * 4
+
+
+def variants(cfg: Config, world):
+    for model in cfg.models:
+        shape = {"model": model} | ({"batch": cfg.gpt_batch} if model == "gpt" else {})
+        for label, impl, knobs in (
+            ("torch-local", "torch-local", {}),
+            ("native", "native", {}),
+            ("torch-c10d", "torch-c10d", {}),
+            ("torch-mpi", "torch-mpi", {}),
+            ("torch-mpi+view", "torch-mpi", {"gradient_as_bucket_view": True}),
+            ("jax-local", "jax-local", {}),
+            ("jax-hooked", "jax-hooked", {}),
+            ("jax-compiled", "jax-compiled", {}),
+        ):
+            yield runner.Variant(label, impl, knobs, group=model, params={"model": model}, model=shape)
+    if cfg.sweep:
+        for impl in cfg.sweep_impls:
+            for cap in CANDIDATES_MB:
+                yield runner.Variant(f"{impl} @ {cap:g} MB", impl, {"bucket_cap_mb": cap}, group="mlp: caps",
+                                     params={"bucket_cap_mb": cap}, model={"model": "mlp"})
+            yield runner.Variant(f"{impl} @ auto", impl, {"bucket_cap_mb": "auto"}, group="mlp: caps",
+                                 params={"bucket_cap_mb": "auto"}, model={"model": "mlp"},
+                                 warmup=_auto_warmup())
+
+
+def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
+    """Per model: each row's ratios to native DDP and to its framework's limit; the headline
+    (worst over models); and the sweep's auto-vs-best-fixed ratios."""
+    headline: dict[str, float] = {}
+    tables = []
+    for model in dict.fromkeys(r["params"].get("model") for r in rows if r["group"] == r["params"].get("model")):
+        by = {r["label"]: r for r in rows if r["group"] == model}
+        med = {k: r["median_s"] for k, r in by.items()}
+        for label, r in by.items():
+            limit = med.get("jax-local" if label.startswith("jax") else "torch-local")
+            r["vs_native"] = r["median_s"] / med["native"] if "native" in med else math.nan
+            r["vs_limit"] = r["median_s"] / limit if limit else math.nan
+        best = min((label for label in TORCH_DDP if label in by), key=lambda k: med[k], default=None)
+        mine = {}
+        if "torch-c10d" in by:
+            mine["torch_c10d_vs_native"] = by["torch-c10d"]["vs_native"]
+        if best:
+            mine |= {"torch_best_vs_native": by[best]["vs_native"], "torch_best_vs_limit": by[best]["vs_limit"],
+                     "torch_best": best}
+        if "jax-hooked" in by:
+            mine |= {"jax_hooked_vs_limit": by["jax-hooked"]["vs_limit"],
+                     "jax_hooked_overlap": by["jax-hooked"]["metrics"].get("overlap_ratio", math.nan)}
+        tables.append((model, mine))
+        for k in HEADLINE:  # the worse model decides: "overlap" is better high, the rest low
+            if k in mine:
+                worse = min if k.endswith("overlap") else max
+                headline[k] = worse(headline.get(k, mine[k]), mine[k])
+    sweep = [r for r in rows if r["group"] == "mlp: caps"]
+    for impl in dict.fromkeys(r["impl"] for r in sweep):
+        fixed = [r for r in sweep if r["impl"] == impl and r["params"]["bucket_cap_mb"] != "auto"]
+        auto = [r for r in sweep if r["impl"] == impl and r["params"]["bucket_cap_mb"] == "auto"]
+        if fixed and auto:
+            best = min(fixed, key=lambda r: r["median_s"])
+            key = impl.replace("-", "_") + "_auto_vs_best_fixed"
+            headline[key] = auto[0]["median_s"] / best["median_s"]
+            auto[0]["vs_best_fixed"] = headline[key]
+            auto[0]["best_fixed_mb"] = best["params"]["bucket_cap_mb"]
+    return headline, tables
+
+
+def print_tables(payload: dict, headline: dict, tables) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    console = Console(width=160)
+    for group in dict.fromkeys(r["group"] for r in payload["rows"]):
+        table = Table(title=f"{group} -- {payload['world']['size']} ranks, medians over "
+                            f"{payload['config']['rounds'] * payload['config']['steps_per_round']} steps")
+        for col in ("implementation", "iteration ms", "vs native", "vs limit", "overlap ratio", "exposed comm ms",
+                    "grad MB", "peak MB", "cap MB"):
+            table.add_column(col, justify="right")
+        for r in (r for r in payload["rows"] if r["group"] == group):
+            m = r["metrics"]
+
+            def num(x, fmt):
+                return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+            cap = r["params"].get("bucket_cap_mb") or m.get("bucket_cap_mb")
+            if r.get("auto"):
+                cap = f"auto->{r['auto'].get('chosen_mb')}"
+            table.add_row(r["label"], num(r["median_s"] * 1e3, ".1f"), num(r.get("vs_native"), ".3f"),
+                          num(r.get("vs_limit", r.get("vs_best_fixed")), ".3f"), num(m.get("overlap_ratio"), ".2f"),
+                          num(m.get("exposed_comm_time", math.nan) * 1e3, ".1f"), num(r.get("grad_mb"), ".0f"),
+                          num(r.get("peak_mb"), ".0f"),
+                          str(cap if cap is not None else "-"))
+        console.print(table)
+    for model, mine in tables:
+        print(f"{model}: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in mine.items()))
+    print(" ".join(f"{k}={v:.3f}" for k, v in headline.items()), flush=True)
+
+
+def main(argv=None):
+    cfg = parse_config(Config, argv, __doc__.split("\n\n")[0])
+    payload = runner.run("bench", cfg, variants)
+    headline, tables = summarise(payload["rows"])
+    payload["headline"] = headline
+    if payload["world"]["rank"] == 0:
+        from experiments.common import write_result  # noqa: PLC0415
+
+        write_result(payload["path"], payload)
+        print_tables(payload, headline, tables)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Fail fast when a rank dies, instead of waiting forever in a collective.
+
+A collective whose peer has died never completes: Gloo may notice a closed
+socket, MPI may abort, XLA's collectives may just wait -- each in its own way,
+some only after their timeout. `portddp.init()` therefore starts one daemon
+thread per process that watches the other ranks on the same host (their pids,
+exchanged at init) and the launcher above it. A rank that ends normally -- its
+script returned, or raised, or called sys.exit -- leaves a marker file at
+exit (atexit) and is let go. When a rank disappears without one (killed,
+crashed, os._exit) every surviving rank prints
+
+    portddp: rank 2 (pid 41872 on node7) is gone; rank 0 exits now (code 70) ...
+
+to stderr and leaves with exit code 70, within `PORTDDP_WATCHDOG_S` (default
+0.25 s) of the loss. If the launcher itself disappears, the rank exits the
+same way, so no orphan is left behind.
+
+Knobs: `portddp.init(watchdog=False)` or PORTDDP_WATCHDOG=0 turns it off;
+PORTDDP_WATCHDOG_S sets the polling interval. Ranks on other hosts are not
+watched (their pids mean nothing here): a lost remote rank is caught by the
+launcher (mpirun tears the job down) or by the collective timeouts
+(PORTDDP_TIMEOUT_S for c10d and jax.distributed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import tempfile
+import threading
+
+__all__ = ["EXIT_CODE", "Watchdog", "start"]
+
+EXIT_CODE = 70
+"""The exit status of a rank that stopped because another rank was lost (EX_SOFTWARE)."""
+
+
+def _alive(pid: int) -> bool:
+    """Is `pid` a running process? A zombie (dead, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel whether it can signal it
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+class Watchdog:
+    def __init__(self, rank: int, peers: list[tuple[str, int]], interval_s: float):
+        host = socket.gethostname()
+        self.rank = rank
+        self.size = len(peers)
+        self.interval_s = interval_s
+        self.watched = {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != rank}
+        self.host = host
+        self.parent = os.getppid()
+        # One directory per job (rank 0's host and pid name it) for the clean-exit markers.
+        self.markers = marker_dir(*peers[0])
+        os.makedirs(self.markers, exist_ok=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="portddp-watchdog", daemon=True)
+        self._thread.start()
+        atexit.register(self.finished)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for r, pid in list(self.watched.items()):
+                if not _alive(pid) and not self._stop.is_set():
+                    if os.path.exists(os.path.join(self.markers, str(r))):
+                        del self.watched[r]  # it ended normally
+                    else:
+                        self._exit(f"rank {r} (pid {pid} on {self.host}) is gone")
+            if os.getppid() != self.parent and not self._stop.is_set():
+                self._exit(f"the launcher (pid {self.parent}) is gone")
+
+    def _exit(self, what: str) -> None:
+        msg = (f"portddp: {what}; rank {self.rank} exits now (code {EXIT_CODE}) rather than wait for collectives "
+               "that can never finish\n")
+        try:
+            os.write(2, msg.encode())
+        finally:
+            os._exit(EXIT_CODE)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def finished(self) -> None:
+        """At a normal exit: stop watching, leave the marker; the last rank out tidies up."""
+        self.stop()
+        try:
+            open(os.path.join(self.markers, str(self.rank)), "w").close()
+            if len(os.listdir(self.markers)) >= self.size:
+                shutil.rmtree(self.markers, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def marker_dir(host: str, pid: int) -> str:
+    """Where the clean-exit markers of the job whose rank 0 is (host, pid) go."""
+    return os.path.join(tempfile.gettempdir(), f"portddp-{host}-{pid}")
+
+
+def start(rank: int, peers: list[tuple[str, int]], interval_s: float | None = None) -> Watchdog | None:
+    """Watch `peers` ((hostname, pid) of every rank, in rank order); None when turned off."""
+    if os.environ.get("PORTDDP_WATCHDOG", "1") in ("0", "false", "no", "off"):
+        return None
+    if interval_s is None:
+        interval_s = float(os.environ.get("PORTDDP_WATCHDOG_S", 0.25))
+    if not interval_s > 0:
+        raise ValueError(f"PORTDDP_WATCHDOG_S={interval_s!r}: pass a polling interval in seconds > 0")
+    return Watchdog(rank, peers, interval_s)
