@@ -28,8 +28,10 @@ import atexit
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import threading
+import time
 
 __all__ = ["EXIT_CODE", "Watchdog", "start"]
 
@@ -71,35 +73,70 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="portddp-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.finished)
+        # A collective may notice first (Gloo: "Connection closed by peer"): an exception that
+        # ends the program is then explained the same way, naming the rank instead of a socket.
+        self._excepthook = sys.excepthook
+        sys.excepthook = self._on_uncaught
+
+    def lost(self) -> str | None:
+        """What is gone, right now (None: every watched rank and the launcher are alive). A rank
+        that was itself stopped by its watchdog passes on what it saw: the first loss is named."""
+        dead = [(r, pid) for r, pid in list(self.watched.items()) if not _alive(pid)]
+        for r, _ in dead:
+            if os.path.exists(os.path.join(self.markers, str(r))):
+                del self.watched[r]  # it ended normally
+        dead = [(r, pid) for r, pid in dead if r in self.watched]
+        for r, pid in dead:
+            if not os.path.exists(os.path.join(self.markers, f"{r}.stopped")):
+                return f"rank {r} (pid {pid} on {self.host}) is gone"
+        for r, _ in dead:
+            try:
+                with open(os.path.join(self.markers, f"{r}.stopped")) as f:
+                    return f.read()
+            except OSError:
+                pass
+        if os.getppid() != self.parent:
+            return f"the launcher (pid {self.parent}) is gone"
+        return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for r, pid in list(self.watched.items()):
-                if not _alive(pid) and not self._stop.is_set():
-                    if os.path.exists(os.path.join(self.markers, str(r))):
-                        del self.watched[r]  # it ended normally
-                    else:
-                        self._exit(f"rank {r} (pid {pid} on {self.host}) is gone")
-            if os.getppid() != self.parent and not self._stop.is_set():
-                self._exit(f"the launcher (pid {self.parent}) is gone")
+            what = self.lost()
+            if what is not None and not self._stop.is_set():
+                self._exit(what)
 
-    def _exit(self, what: str) -> None:
+    def _on_uncaught(self, kind, value, tb) -> None:
+        # A peer's sockets close while it is still exiting, a moment before the kernel shows it
+        # dead: give a comm error that moment to be explained.
+        what, deadline = self.lost(), time.monotonic() + 1.0
+        while what is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            what = self.lost()
+        if what is None:
+            return self._excepthook(kind, value, tb)
+        self._exit(what, f" (this rank's own error: {kind.__name__}: {str(value).splitlines()[0][:300]})")
+
+    def _exit(self, what: str, detail: str = "") -> None:
         msg = (f"portddp: {what}; rank {self.rank} exits now (code {EXIT_CODE}) rather than wait for collectives "
-               "that can never finish\n")
+               f"that can never finish{detail}\n")
         try:
+            with open(os.path.join(self.markers, f"{self.rank}.stopped"), "w") as f:
+                f.write(what)
             os.write(2, msg.encode())
         finally:
             os._exit(EXIT_CODE)
 
     def stop(self) -> None:
         self._stop.set()
+        if sys.excepthook == self._on_uncaught:
+            sys.excepthook = self._excepthook
 
     def finished(self) -> None:
         """At a normal exit: stop watching, leave the marker; the last rank out tidies up."""
         self.stop()
         try:
             open(os.path.join(self.markers, str(self.rank)), "w").close()
-            if len(os.listdir(self.markers)) >= self.size:
+            if sum(name.isdigit() for name in os.listdir(self.markers)) >= self.size:
                 shutil.rmtree(self.markers, ignore_errors=True)
         except OSError:
             pass

@@ -37,6 +37,7 @@ from jax.experimental import io_callback
 
 from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
+from portddp import launch
 from portddp.jax import compiled
 from portddp.protocol import check_same_specs, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
@@ -150,6 +151,12 @@ class DistributedDataParallel:
         else:
             self._transport = get_transport()
             self.world_size, self.rank = self._transport.size, self._transport.rank
+            launched = launch.world()
+            if launched.size != self.world_size:
+                raise RuntimeError(
+                    f"portddp.jax talks over MPI, whose world here has {self.world_size} rank(s), but the "
+                    f"launcher ({launched.launcher}) started {launched.size}: launch with `mpirun -n "
+                    f"{launched.size} python ...` (or use strategy='pmap' within one process)")
             self._verify_same_params(specs)
             if strategy == "compiled":
                 compiled.process_devices(self.world_size)  # fails early without jax.distributed
