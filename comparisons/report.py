@@ -23,7 +23,7 @@ import portddp
 
 PAPER_OVERLAP = {  # DDP paper (arXiv:2006.15704) §5.1: speedup from overlapping, per backend
     "ResNet50, NCCL": 38.0, "BERT, NCCL": 35.2, "ResNet50, Gloo": 26.8, "BERT, Gloo": 21.5}
-EXPERIMENTS = ("overlap", "bucket_sweep", "no_sync", "compression", "scaling")
+EXPERIMENTS = ("bench", "overlap", "bucket_sweep", "no_sync", "compression", "scaling")
 COLORS = {"native": "#1f77b4", "torch-c10d": "#ff7f0e", "torch-mpi": "#2ca02c", "jax-hooked": "#d62728",
           "jax-compiled": "#9467bd", "torch-local": "#8c564b", "jax-local": "#7f7f7f"}
 
@@ -240,6 +240,40 @@ def generic_section(payload: dict, extra: str | None = None) -> str:
     return table(headers, body) + "\n"
 
 
+def bench_section(payload: dict) -> str:
+    """experiments.bench: per model, every implementation's time, ratios, overlap and memory."""
+    import math  # noqa: PLC0415
+
+    from experiments.bench import summarise  # noqa: PLC0415
+
+    headline, _ = summarise(payload["rows"])
+
+    def num(x, fmt):
+        return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+    parts = []
+    for group in dict.fromkeys(r["group"] for r in payload["rows"]):
+        body = []
+        for r in (r for r in payload["rows"] if r["group"] == group):
+            m, auto = r["metrics"], r.get("auto") or {}
+            cap = r["params"].get("bucket_cap_mb", m.get("bucket_cap_mb"))
+            if auto:
+                cap = f"auto → {auto.get('chosen_mb')}"
+            body.append([r["label"], _ms_spread(r), num(r.get("vs_native"), ".3f"),
+                         num(r.get("vs_limit", r.get("vs_best_fixed")), ".3f"), num(m.get("overlap_ratio"), ".2f"),
+                         num(m.get("exposed_comm_time", math.nan) * 1e3, ".1f"), num(r.get("grad_mb"), ".0f"),
+                         num(r.get("peak_mb"), ".0f"), num(cap, "") if cap is not None else "–"])
+        parts.append(f"\n### {group}\n\n" + table(
+            ["implementation", "ms / iteration", "vs native", "vs limit (auto: vs best fixed)", "overlap ratio",
+             "exposed comm (ms)", "gradient MB", "peak RSS MB", "cap MB"], body) + "\n")
+    line = " ".join(f"{k}={v:.3f}" for k, v in headline.items())
+    return ("Every implementation side by side in one run (interleaved rounds). *vs limit*: to the same "
+            "framework's step without communication. *gradient MB*: memory holding gradients after a step "
+            "(every .grad storage plus bucket buffers). *peak RSS MB*: resident memory added while the variant "
+            "was built and warmed up (approximate: memory freed by an earlier variant can be reused).\n"
+            + "".join(parts) + f"\nHeadline (the worse of the two models): `{line}`\n")
+
+
 def equivalence_section(results: list[dict]) -> str:
     body = []
     for r in results:
@@ -258,6 +292,8 @@ def build(results: Path, out: Path) -> Path:
     sections: list[tuple[str, str, Path | None]] = []
     if equivalence:
         sections.append(("Numerical equivalence", equivalence_section(equivalence), None))
+    if "bench" in found:
+        sections.append(("Benchmark", bench_section(found["bench"][-1]), None))
     if "overlap" in found:
         p = found["overlap"][-1]
         sections.append(("Where the time goes: one iteration per implementation", "", plot_gantt(p, out)))

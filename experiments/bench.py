@@ -24,7 +24,7 @@ import math
 
 from experiments import runner
 from experiments.common import parse_config
-from portddp.autotune import CANDIDATES_MB
+from portddp.autotune import CANDIDATES_MB, CapTuner
 
 TORCH_DDP = ("torch-c10d", "torch-mpi", "torch-mpi+view")
 HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit", "jax_hooked_vs_limit",
@@ -45,7 +45,7 @@ class Config(runner.ExperimentConfig):
 
 def _auto_warmup() -> int:
     """Steps 'auto' needs before its choice is made (portddp.autotune's schedule), plus one."""
-    return 2 + len(CANDIDATES_MB) * 4
+    return CapTuner().iterations + 1
 
 
 def variants(cfg: Config, world):

@@ -4,11 +4,14 @@ Horovod's autotune plays this role for its fusion buffer; here the search is a
 plain sweep, because the space is one number and the job is already running:
 
     iteration 0                 the first cap; the gradient order is observed (as always)
-    then, for every candidate   `warmup` iterations (re-planning, and for JAX re-tracing, cost
-                                time here), then `measured` iterations that are timed
+    then `rounds` rounds; in    `warmup` iterations (re-planning costs time here; JAX traces
+    each, every candidate       each plan once and keeps it), then `measured` timed ones
     then                        every rank's medians are gathered; the cap with the lowest
                                 worst-rank median wins, on every rank alike; the plan is
                                 rebuilt once more with it, and the choice is logged
+
+The candidates take turns round by round, so a slow spell of a shared machine
+hits them alike instead of condemning whichever was being tried.
 
 An iteration's time is the time from one synchronised forward (portddp.torch)
 or grad_fn call (portddp.jax) to the next: the whole training step, optimizer
@@ -31,12 +34,13 @@ log = logging.getLogger("portddp")
 
 
 class CapTuner:
-    def __init__(self, candidates: Sequence[float] = CANDIDATES_MB, warmup: int = 1, measured: int = 3):
-        if not candidates or warmup < 0 or measured < 1:
-            raise ValueError(f"CapTuner needs candidates, warmup >= 0 and measured >= 1; got {candidates!r}, "
-                             f"{warmup}, {measured}")
+    def __init__(self, candidates: Sequence[float] = CANDIDATES_MB, warmup: int = 1, measured: int = 2,
+                 rounds: int = 3):
+        if not candidates or warmup < 0 or measured < 1 or rounds < 1:
+            raise ValueError(f"CapTuner needs candidates, warmup >= 0, measured >= 1 and rounds >= 1; got "
+                             f"{candidates!r}, {warmup}, {measured}, {rounds}")
         self.candidates = [float(c) for c in candidates]
-        self.warmup, self.measured = warmup, measured
+        self.warmup, self.measured, self.rounds = warmup, measured, rounds
         self.times_s: list[list[float]] = [[] for _ in self.candidates]
         self.chosen: float | None = None
         self._iteration = 0  # synchronised iterations started so far
@@ -50,12 +54,20 @@ class CapTuner:
     def done(self) -> bool:
         return self.chosen is not None
 
+    @property
+    def iterations(self) -> int:
+        """Synchronised iterations before the choice is made (the choice applies from the next)."""
+        return 1 + self.rounds * len(self.candidates) * (self.warmup + self.measured)
+
     def _slot(self, iteration: int) -> tuple[int, int] | None:
-        """(candidate, position within its turn) of a trial iteration; None for iteration 0."""
+        """(candidate, position within its turn) of a trial iteration; None for iteration 0;
+        (len(candidates), 0) once the trials are over."""
         if iteration == 0:
             return None
-        s = iteration - 1
-        return s // (self.warmup + self.measured), s % (self.warmup + self.measured)
+        turn, pos = divmod(iteration - 1, self.warmup + self.measured)
+        if turn >= self.rounds * len(self.candidates):
+            return len(self.candidates), 0
+        return turn % len(self.candidates), pos
 
     def start_iteration(self, now_ns: int) -> float | None:
         """A synchronised iteration starts now: the cap it must use, or None when the trials are

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-EXPERIMENTS = ("bench", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "torch_ddp", "jax_ddp")
+EXPERIMENTS = ("bench", "soak", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "torch_ddp", "jax_ddp")
 
 
 def _mpirun(n: int, module: str, args: list[str]) -> int:

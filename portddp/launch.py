@@ -24,7 +24,7 @@ import shutil
 import socket
 import sys
 
-__all__ = ["World", "detect", "init", "world", "mpi_comm", "DEFAULT_TIMEOUT_S"]
+__all__ = ["World", "detect", "init", "world", "mpi_comm", "allgather_object", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PORTDDP_TIMEOUT_S", 300))
 """Collective timeout (seconds) for c10d; override with init(timeout_s=...) or
@@ -215,6 +215,24 @@ def init(
 
 
 _WATCHDOG = None
+
+
+def allgather_object(obj) -> list:
+    """Every rank's `obj`, in rank order, over the launcher's own channel (MPI's COMM_WORLD
+    under mpirun, c10d under torchrun): independent of whichever transport a DDP uses."""
+    w = world()
+    if w.size == 1:
+        return [obj]
+    if w.launcher == "mpirun":
+        return mpi_comm().allgather(obj)
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"launched by {w.launcher} with {w.size} ranks but c10d is not initialised: "
+                           "call portddp.init() first")
+    out = [None] * w.size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _start_watchdog(w: World, torch_distributed: bool) -> None:

@@ -4,24 +4,43 @@ Every rank must issue the same collectives in the same order, whatever
 framework it runs -- that is what lets one `mpirun` job mix PyTorch and JAX
 ranks (comparisons/mixed.py). Over the MPI transport the sequence is:
 
-construction          allgather(specs)                     agree on the model
+construction          allgather(config), launcher channel  agree on caps and transport (below)
+                      allgather(specs)                     agree on the model
 broadcast             allgather(specs); Bcast per bucket   rank 0's parameters, in bucket layout
                       (PyTorch: then Bcast of buffers, coalesced by dtype)
 iteration 2, once     Bcast(int64[n] ready order)          rebuild the plan from rank 0's order
 each iteration        Allreduce per bucket, in plan order  the mean gradients
                       Allreduce(int32[n] "used" counts)    who produced which gradient
+                      (check_finite: int32[2n], the second half counting NaN/Inf gradients;
+                      if any, allgather(names) of each rank's non-finite parameters)
 
 Specs are (name, shape, dtype) in registration order, in the canonical
 (PyTorch) layout; a bucket's flat buffer holds its parameters back to back in
 the plan's order. This module holds the framework-free checks of that
 exchange, so both sides fail with the same words.
+
+The config exchange runs over the launcher's own channel (MPI's COMM_WORLD
+under mpirun, c10d under torchrun), not over the transport under test: two
+ranks that disagree about the transport would otherwise never meet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["check_same_specs", "unused_parameters_error"]
+__all__ = ["check_same_config", "check_same_specs", "nonfinite_error", "unused_parameters_error"]
+
+
+def check_same_config(everyone: Sequence[dict]) -> None:
+    """Raise on every rank if any rank's DDP arguments (bucket caps, transport) differ from rank 0's."""
+    for r, theirs in enumerate(everyone[1:], start=1):
+        for key, ours in everyone[0].items():
+            if theirs.get(key) != ours:
+                raise ValueError(
+                    f"DistributedDataParallel arguments differ across ranks: {key} is {ours!r} on rank 0 but "
+                    f"{theirs.get(key)!r} on rank {r}; every rank must pass the same {key} (the bucket plans and "
+                    "the collectives they issue must match)"
+                )
 
 
 def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, items: str) -> None:
@@ -66,4 +85,14 @@ def unused_parameters_error(names: Sequence[str], counts: Sequence[int], world: 
         f"parameters received no gradient in this backward pass: {shown}{more}; on this rank ({rank}): "
         f"{here or 'none'}. If parameters may go unused, pass find_unused_parameters=True; if they are never "
         "used, set requires_grad=False on them"
+    )
+
+
+def nonfinite_error(everyone: Sequence[Sequence[str]], rank: int) -> FloatingPointError:
+    """The error every rank raises when check_finite found NaN/Inf in some rank's local gradients."""
+    where = "; ".join(f"rank {r}: {', '.join(_name(n) for n in names[:5])}" + (" ..." if len(names) > 5 else "")
+                      for r, names in enumerate(everyone) if names)
+    return FloatingPointError(
+        f"non-finite gradients (NaN or Inf) found by check_finite -- {where} (this is rank {rank}). .grad was "
+        "left as it was; look at the loss and the inputs of those ranks, lower the learning rate, or skip the step"
     )

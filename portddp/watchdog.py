@@ -6,8 +6,10 @@ some only after their timeout. `portddp.init()` therefore starts one daemon
 thread per process that watches the other ranks on the same host (their pids,
 exchanged at init) and the launcher above it. A rank that ends normally -- its
 script returned, or raised, or called sys.exit -- leaves a marker file at
-exit (atexit) and is let go. When a rank disappears without one (killed,
-crashed, os._exit) every surviving rank prints
+exit (atexit) and is let go. A rank that dies of an uncaught exception leaves
+a `.failed` marker with its error instead. When a rank disappears without a
+clean marker (killed, crashed, os._exit, an uncaught exception) every
+surviving rank prints
 
     portddp: rank 2 (pid 41872 on node7) is gone; rank 0 exits now (code 70) ...
 
@@ -78,23 +80,33 @@ class Watchdog:
         self._excepthook = sys.excepthook
         sys.excepthook = self._on_uncaught
 
+    def _marker(self, rank: int, kind: str = "") -> str:
+        return os.path.join(self.markers, f"{rank}{kind}")
+
     def lost(self) -> str | None:
         """What is gone, right now (None: every watched rank and the launcher are alive). A rank
-        that was itself stopped by its watchdog passes on what it saw: the first loss is named."""
+        that ended by an uncaught exception or was stopped by its own watchdog passes on what
+        happened to it, so every survivor names the first loss."""
         dead = [(r, pid) for r, pid in list(self.watched.items()) if not _alive(pid)]
         for r, _ in dead:
-            if os.path.exists(os.path.join(self.markers, str(r))):
+            if os.path.exists(self._marker(r)):
                 del self.watched[r]  # it ended normally
         dead = [(r, pid) for r, pid in dead if r in self.watched]
+        told = []  # (when, what) from ranks that left word of why they went
         for r, pid in dead:
-            if not os.path.exists(os.path.join(self.markers, f"{r}.stopped")):
-                return f"rank {r} (pid {pid} on {self.host}) is gone"
-        for r, _ in dead:
-            try:
-                with open(os.path.join(self.markers, f"{r}.stopped")) as f:
-                    return f.read()
-            except OSError:
-                pass
+            for kind in (".failed", ".stopped"):
+                try:
+                    with open(self._marker(r, kind)) as f:
+                        when, text = f.read().split(" ", 1)
+                except (OSError, ValueError):
+                    continue
+                told.append((float(when), text if kind == ".stopped" else
+                             f"rank {r} (pid {pid} on {self.host}) failed with {text}"))
+                break
+            else:
+                return f"rank {r} (pid {pid} on {self.host}) is gone"  # killed: no word at all
+        if told:
+            return min(told)[1]  # the first failure is the cause; the later ones its echoes
         if os.getppid() != self.parent:
             return f"the launcher (pid {self.parent}) is gone"
         return None
@@ -106,22 +118,34 @@ class Watchdog:
                 self._exit(what)
 
     def _on_uncaught(self, kind, value, tb) -> None:
+        """This rank dies of an uncaught exception: tell the others (a `.failed` marker, so they
+        stop at once instead of waiting for this rank in a collective), print it as usual, and
+        if that exception was only the echo of a lost rank (a collective failing because a peer
+        died), say which."""
+        summary = f"{kind.__name__}: {(str(value).splitlines() or [''])[0][:300]}"
+        try:
+            with open(self._marker(self.rank, ".failed"), "w") as f:
+                f.write(f"{time.time():.6f} {summary}")
+        except OSError:
+            pass
+        self.stop()
+        self._excepthook(kind, value, tb)
         # A peer's sockets close while it is still exiting, a moment before the kernel shows it
         # dead: give a comm error that moment to be explained.
         what, deadline = self.lost(), time.monotonic() + 1.0
         while what is None and time.monotonic() < deadline:
             time.sleep(0.05)
             what = self.lost()
-        if what is None:
-            return self._excepthook(kind, value, tb)
-        self._exit(what, f" (this rank's own error: {kind.__name__}: {str(value).splitlines()[0][:300]})")
+        if what is not None:
+            self._exit(what, "", marker=False)
 
-    def _exit(self, what: str, detail: str = "") -> None:
+    def _exit(self, what: str, detail: str = "", marker: bool = True) -> None:
         msg = (f"portddp: {what}; rank {self.rank} exits now (code {EXIT_CODE}) rather than wait for collectives "
                f"that can never finish{detail}\n")
         try:
-            with open(os.path.join(self.markers, f"{self.rank}.stopped"), "w") as f:
-                f.write(what)
+            if marker:
+                with open(self._marker(self.rank, ".stopped"), "w") as f:
+                    f.write(f"{time.time():.6f} {what}")
             os.write(2, msg.encode())
         finally:
             os._exit(EXIT_CODE)
@@ -134,8 +158,10 @@ class Watchdog:
     def finished(self) -> None:
         """At a normal exit: stop watching, leave the marker; the last rank out tidies up."""
         self.stop()
+        if os.path.exists(self._marker(self.rank, ".failed")):
+            return  # not a normal end: the others were told
         try:
-            open(os.path.join(self.markers, str(self.rank)), "w").close()
+            open(self._marker(self.rank), "w").close()
             if sum(name.isdigit() for name in os.listdir(self.markers)) >= self.size:
                 shutil.rmtree(self.markers, ignore_errors=True)
         except OSError:

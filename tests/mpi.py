@@ -35,12 +35,12 @@ def run(n: int | None, module: str, *args: str, timeout: float = 240, env: dict 
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s (a hang?)\n{out[-3000:]}")
 
 
-def collect(n: int, module: str, out: Path) -> dict:
+def collect(n: int, module: str, out: Path, *args: str) -> dict:
     """Run a results-writing worker on n ranks (plain python for n=1); return
     {(scenario, rank): row} from the JSON lines every rank wrote."""
     import json  # noqa: PLC0415
 
-    proc = run(None if n == 1 else n, module, env={"PORTDDP_RESULTS": str(out)})
+    proc = run(None if n == 1 else n, module, *args, env={"PORTDDP_RESULTS": str(out)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {}
     for r in range(n):

@@ -113,6 +113,11 @@ BAD = [
                               r"XLA_FLAGS=--xla_force_host_platform_device_count=4"),
     ("integer_leaf", r"leaf \['enc'\]\['step'\] has dtype int32, which has no gradient"),
     ("loss_not_scalar", r"loss_fn must return a scalar; '<lambda>' returned shape \(3, 4\)"),
+    ("cap_differs", r"DistributedDataParallel arguments differ across ranks: bucket_cap_mb is 25\.0 on rank 0 but "
+                    r"5\.0 on rank 1; every rank must pass the same bucket_cap_mb"),
+    ("strategy_differs", r"transport is 'mpi' on rank 0 but \"xla \(strategy='compiled'\)\" on rank 1"),
+    ("nonfinite", r"non-finite gradients \(NaN or Inf\) found by check_finite -- rank 1: .*\['enc'\]\['w'\]"),
+    ("check_finite_compiled", r"check_finite=True needs strategy='hooked'"),
     ("compiled_without_jax_distributed", r"strategy='compiled' sees 1 JAX process\(es\) but the job has 2 ranks: "
                                          r"call portddp\.init\(jax_distributed=True\)"),
 ]

@@ -23,22 +23,23 @@ IMPLS = ("torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled")
 WORKER = [sys.executable, "-m", "tests.workers.rank_failure"]
 
 
-def _start(impl: str, out: Path, launcher: str) -> list[subprocess.Popen]:
+def _start(impl: str, out: Path, launcher: str, mode: str = "kill") -> list[subprocess.Popen]:
     common = {"cwd": mpi.ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True,
               "start_new_session": True}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if launcher == "mpirun":
-        return [subprocess.Popen([mpi.mpirun_path(), "-n", "3", *WORKER, impl, str(out)], env=env, **common)]
+        return [subprocess.Popen([mpi.mpirun_path(), "-n", "3", *WORKER, impl, str(out), mode], env=env, **common)]
     port = str(_free_port())
-    return [subprocess.Popen([*WORKER, impl, str(out)], **common, env={
+    return [subprocess.Popen([*WORKER, impl, str(out), mode], **common, env={
         **env, "RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(3)]
 
 
-def kill_mid_backward(impl: str, out: Path, launcher: str):
-    """SIGKILL the last rank where it parks inside backward. Returns (exit statuses and outputs of
-    the processes the test started, seconds from the kill until they all ended, every rank's pid)."""
-    procs = _start(impl, out, launcher)
+def kill_mid_backward(impl: str, out: Path, launcher: str, mode: str = "kill"):
+    """SIGKILL the last rank where it parks inside backward (mode "kill"; with "raise" it raises
+    there by itself). Returns (exit statuses and outputs of the processes the test started,
+    seconds from the kill until they all ended, every rank's pid)."""
+    procs = _start(impl, out, launcher, mode)
     try:
         deadline = time.monotonic() + 180
         while not (out / "victim").exists():
@@ -48,7 +49,8 @@ def kill_mid_backward(impl: str, out: Path, launcher: str):
             time.sleep(0.05)
         time.sleep(0.2)
         victim = int((out / "victim").read_text())
-        os.kill(victim, signal.SIGKILL)
+        if mode == "kill":
+            os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
         results = []
         for p in procs:
@@ -88,6 +90,20 @@ def test_watchdog_alone_stops_every_survivor_naming_the_lost_rank(tmp_path):
     assert_no_orphans(pids)
 
 
+def test_an_exception_on_one_rank_stops_the_others_naming_it(tmp_path):
+    """A bug on rank 2 only: it dies of its own traceback, and the others -- which would wait for it
+    in the next collective -- exit at once saying so, instead of hanging until a timeout."""
+    results, elapsed, pids = kill_mid_backward("torch-c10d", tmp_path, "bare", mode="raise")
+    assert elapsed < 60
+    assert results[2][0] == 1 and "RuntimeError: a bug on the last rank only" in results[2][1]
+    for rank in (0, 1):
+        rc, output = results[rank]
+        assert rc == EXIT_CODE, output[-3000:]
+        assert f"portddp: rank 2 (pid {pids[2]} on " in output, output[-3000:]
+        assert "failed with RuntimeError: a bug on the last rank only" in output, output[-3000:]
+    assert_no_orphans(pids)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_under_mpirun_the_job_ends_at_once_naming_the_lost_rank(impl, tmp_path):
     """mpirun (MPICH's Hydra) SIGKILLs the survivors itself as soon as a rank dies by a signal and
@@ -97,3 +113,48 @@ def test_under_mpirun_the_job_ends_at_once_naming_the_lost_rank(impl, tmp_path):
     assert rc != 0 and elapsed < 60, output[-3000:]
     assert f"portddp: rank 2 (pid {pids[2]} on " in output or "BAD TERMINATION" in output, output[-3000:]
     assert_no_orphans(pids)
+
+
+# ------------------------------------------------------- determinism, checkpoint/resume
+RESUME_IMPLS = ("torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled")
+
+
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory):
+    """Two separate `mpirun -n 2` jobs (tests/workers/resume.py): rows of both, by (scenario, rank)."""
+    out = tmp_path_factory.mktemp("resume")
+    rows = {}
+    for phase in ("first", "second"):
+        rows |= mpi.collect(2, "tests.workers.resume", out, phase, str(out))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+@pytest.mark.parametrize("impl", ("native", *RESUME_IMPLS))
+def test_two_identical_runs_give_bitwise_identical_parameters(two_jobs, impl, dtype):
+    for rank in (0, 1):
+        assert two_jobs[f"first/full/{impl}/{dtype}", rank]["digest"] == \
+            two_jobs[f"second/full/{impl}/{dtype}", rank]["digest"]
+
+
+@pytest.mark.parametrize("dtype", ("float32", "float64"))
+@pytest.mark.parametrize("impl", RESUME_IMPLS)
+def test_five_steps_save_resume_five_equals_ten_bitwise(two_jobs, impl, dtype):
+    for rank in (0, 1):
+        resumed = two_jobs[f"resumed/{impl}/{dtype}", rank]
+        assert resumed["start"] == 5
+        assert resumed["digest"] == two_jobs[f"first/full/{impl}/{dtype}", rank]["digest"]
+
+
+@pytest.mark.parametrize("kind,pattern", [
+    ("truncated", r"is truncated: its header promises \d+ bytes of payload, the file holds \d+"),
+    ("corrupt", r"is corrupt: the SHA-256 of its payload does not match its header"),
+    ("missing", r"no checkpoint at "),
+])
+def test_a_torn_checkpoint_is_refused_on_every_rank_naming_the_intact_previous_one(two_jobs, kind, pattern):
+    import re  # noqa: PLC0415
+
+    for rank in (0, 1):
+        row = two_jobs[f"torn/{kind}", rank]
+        assert row["message"] and re.search(pattern, row["message"]), row
+        assert f"the previous checkpoint {row['prev']} is intact" in row["message"], row

@@ -85,6 +85,22 @@ def test_auto_bucket_cap_picks_one_cap_on_every_rank_and_changes_no_number(resul
         assert row["bitwise"] if n <= 2 else row["max_diff"] <= 2e-5, row
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_frozen_parameters_are_left_out_and_alone(results, transport):
+    n, rows = each_rank(results, f"frozen/{transport}")
+    for row in rows:
+        assert "fc1.weight" not in row["planned"] and "fc1.bias" in row["planned"], row
+        assert row["frozen_unchanged"], row
+        assert row["bitwise"] if n <= 2 else row["max_diff"] <= 2e-5, row
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_non_contiguous_parameter_is_reduced_like_native_ddp(results, transport):
+    n, rows = each_rank(results, f"noncontiguous/{transport}")
+    for row in rows:
+        assert row["bitwise"] if n <= 2 else row["max_diff"] <= 2e-5, row
+
+
 # --------------------------------------------------------------- bad input
 BAD = [
     ("shape_mismatch", TRANSPORTS, r"model mismatch across ranks: parameter #2 is '1\.weight' \(8, 8\) float32 on rank 0 but '1\.weight' \(9, 8\)"),
@@ -95,6 +111,13 @@ BAD = [
     ("bad_cap=-1", ("mpi",), r"bucket_cap_mb=-1\.0 is not a valid bucket size"),
     ("bad_first_cap=big", ("c10d",), r"first_bucket_cap_mb='big' is not a valid bucket size"),
     ("unknown_transport", ("c10d",), r"unknown transport 'carrier-pigeon': choose one of \('c10d', 'mpi'\)"),
+    ("dtype_mismatch", ("mpi",), r"model mismatch across ranks: parameter #0 is '0\.weight' \(8, 8\) float32 on rank 0 but '0\.weight' \(8, 8\) float64"),
+    ("cap_differs", TRANSPORTS, r"DistributedDataParallel arguments differ across ranks: bucket_cap_mb is 25\.0 on rank 0 but 5\.0 on rank 1; every rank must pass the same bucket_cap_mb"),
+    ("transport_differs", ("c10d",), r"transport is 'c10d' on rank 0 but 'mpi' on rank 1"),
+    ("sparse_gradient", TRANSPORTS, r"parameter 'weight' has a torch\.sparse_coo gradient; portddp reduces dense gradients only \(e\.g\. use nn\.Embedding\(sparse=False\)\)"),
+    ("backward_twice", ("c10d",), r"gradient of '(weight|bias)' arrived outside a DDP iteration: run one backward per forward"),
+    ("modified_after_wrap", ("mpi",), r"the module's trainable parameters changed after DistributedDataParallel wrapped it: 2 then, 4 now \(added: \['1\.weight', '1\.bias'\]"),
+    ("nonfinite", TRANSPORTS, r"non-finite gradients \(NaN or Inf\) found by check_finite -- rank 1: '0\.weight', '1\.weight' \(this is rank \d\)"),
     ("world_size", ("c10d",), r"portddp\.init\(world_size=\d\) but the launcher \(mpirun\) started \d process\(es\): launch with `mpirun -n"),
     ("process_group_mismatch", ("c10d",), r"a c10d process group already exists with rank 0 of 1, but the launcher \(mpirun\) says rank \d of \d"),
 ]

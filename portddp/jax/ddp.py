@@ -39,7 +39,7 @@ from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
 from portddp import launch
 from portddp.jax import compiled
-from portddp.protocol import check_same_specs, unused_parameters_error
+from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import get_transport
 
@@ -100,15 +100,21 @@ class DistributedDataParallel:
             registration order: the PyTorch twin's names and layout, for jobs
             that mix frameworks.
         pmap_devices: strategy="pmap" only: how many local devices (default all).
+        check_finite: (hooked) check every local gradient for NaN/Inf as XLA hands it over; if
+            any rank finds one, every rank raises naming the parameters and ranks.
     """
 
     def __init__(self, params, bucket_cap_mb: float | str = 25.0, first_bucket_cap_mb: float = 1.0,
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
-                 canonical=None, pmap_devices: int | None = None):
+                 canonical=None, pmap_devices: int | None = None, check_finite: bool = False):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}: portddp.jax supports {TRANSPORTS}")
+        if check_finite and strategy != "hooked":
+            raise ValueError(f"check_finite=True needs strategy='hooked' (the gradients pass through the host "
+                             f"there); with strategy={strategy!r} XLA never hands them over")
+        self.check_finite = check_finite
         if order is not None and canonical is not None:
             raise ValueError("pass order= or canonical= (which implies the order), not both")
         self._tuner = CapTuner() if isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto" else None
@@ -149,6 +155,9 @@ class DistributedDataParallel:
             self._transport = None
             self.world_size, self.rank = compiled.pmap_world(pmap_devices), 0
         else:
+            check_same_config(launch.allgather_object({
+                "bucket_cap_mb": "auto" if self._tuner else bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
+                "transport": "mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})", "check_finite": bool(check_finite)}))
             self._transport = get_transport()
             self.world_size, self.rank = self._transport.size, self._transport.rank
             launched = launch.world()
@@ -203,7 +212,20 @@ class DistributedDataParallel:
         everyone = self._transport.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
         check_same_specs(everyone, "parameter pytrees differ across ranks", "leaf", "leaves")
 
+    _PER_PLAN = ("_plan", "_buffers", "_grad_buckets", "_taps", "_reduce_step", "_steps", "_hlo")
+
     def _install_plan(self, plan: BucketPlan) -> None:
+        """Buffers, taps and compiled steps for `plan`; a plan seen before gets its own back
+        (bucket_cap_mb="auto" switches between a few, and each is traced only once)."""
+        if getattr(self, "_plan", None) is not None:
+            self._plan_cache[self._plan.to_json()] = {a: getattr(self, a) for a in self._PER_PLAN}
+        else:
+            self._plan_cache: dict = {}
+        cached = self._plan_cache.get(plan.to_json())
+        if cached is not None:
+            for a, value in cached.items():
+                setattr(self, a, value)
+            return
         self._plan = plan
         self._buffers = [np.zeros(b.numel, dtype=jnp.dtype(b.dtype)) for b in plan.buckets]
         self._grad_buckets = [
@@ -324,6 +346,9 @@ class DistributedDataParallel:
         """Host side of bucket b's tap: pack, mark ready, launch what the plan order allows."""
         now = _now()
         bucket = self._plan.buckets[b]
+        if self.check_finite:
+            for k, g in zip(bucket.params, grads):
+                self._nonfinite[k] = not np.isfinite(g).all()
         self._pack(b, dict(zip(bucket.params, grads)), divide=self._hook is None)
         with self._lock:  # XLA may run independent callbacks on different threads
             self._ready_order.extend(bucket.params)
@@ -357,6 +382,7 @@ class DistributedDataParallel:
         self._next_launch = 0
         self._handles: list = [None] * n
         self._ready_order: list[int] = []
+        self._nonfinite = np.zeros(len(self._names), np.int32)
         self._events = IterationEvents(
             rank=self.rank, forward_start_ns=_now(),
             buckets=[BucketEvents(b, buf.nbytes) for b, buf in enumerate(self._buffers)])
@@ -371,7 +397,9 @@ class DistributedDataParallel:
             self._launch_ready_buckets()
         # After the buckets, as portddp.torch does: how many ranks produced each gradient. A JAX
         # rank always has all of them; a PyTorch rank in the same job may not (portddp.protocol).
-        used = np.ones(len(self._names), np.int32)
+        # (check_finite: a second half counting, per parameter, the ranks with NaN/Inf in it)
+        n = len(self._names)
+        used = np.concatenate([np.ones(n, np.int32), self._nonfinite if self.check_finite else np.zeros(0, np.int32)])
         used_handle = self._transport.allreduce(used) if self.world_size > 1 else None
         for b, handle in enumerate(self._handles):
             if handle is not None:
@@ -384,9 +412,13 @@ class DistributedDataParallel:
         self._iterations += 1
         if not self._rebuilt and self._rebuild_order is None:
             self._rebuild_order = self._ready_order
-        if used.min() < self.world_size:
-            raise unused_parameters_error(self._names, used.tolist(), self.world_size, self.rank,
+        if used[:n].min() < self.world_size:
+            raise unused_parameters_error(self._names, used[:n].tolist(), self.world_size, self.rank,
                                           [1] * len(self._names))
+        if used[n:].any():
+            mine = [self._names[k] for k in np.flatnonzero(self._nonfinite)]
+            raise nonfinite_error(self._transport.allgather_object(mine) if self.world_size > 1 else [mine],
+                                  self.rank)
 
     def _maybe_rebuild(self) -> None:
         """Once, at the call after the first synchronised one: re-plan from rank 0's observed order
@@ -456,8 +488,15 @@ class DistributedDataParallel:
             if step is None:  # first call, or the plan was rebuilt: trace again with the new taps
                 # A new function object each time: jax.jit caches traces per function.
                 step = self._steps[id(program)] = jax.jit(lambda params, batch: program(params, batch))
-            loss, grads = step(params, batch)
-            return loss, jax.block_until_ready(grads)
+            self._callback_error = None
+            try:
+                loss, grads = step(params, batch)
+                return loss, jax.block_until_ready(grads)
+            except Exception:
+                error, self._callback_error = self._callback_error, None
+                if error is None:
+                    raise
+                raise error from None  # portddp's own message, not XLA's wrapper around it
 
         return grad_fn
 
@@ -519,7 +558,11 @@ class DistributedDataParallel:
     def _finish_callback(self, _launched):
         """Host side of the end of the step: wait for every bucket; hand back each parameter's
         reduced gradient as a view of its bucket (XLA copies it out before the next step)."""
-        self._finalize()
+        try:
+            self._finalize()
+        except Exception as e:  # XLA wraps it in its own error; grad_fn raises this one instead
+            self._callback_error = e
+            raise
         return [buf[off:off + self._plan.specs[k].numel].reshape(self._plan.specs[k].shape)
                 for buf, bucket in zip(self._buffers, self._plan.buckets)
                 for k, off in zip(bucket.params, bucket.offsets)]

@@ -31,7 +31,8 @@ from torch import nn
 
 from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
-from portddp.protocol import check_same_specs, unused_parameters_error
+from portddp import launch
+from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
 
@@ -93,6 +94,9 @@ class DistributedDataParallel(nn.Module):
         overlap: False launches every bucket only after backward has finished:
             the no-overlap baseline of the overlap study.
         process_group: a c10d group other than the default one.
+        check_finite: check every local gradient for NaN/Inf as it arrives; if any
+            rank finds one, every rank raises naming the parameters and ranks, and
+            .grad is left untouched (costs one pass over the gradients).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class DistributedDataParallel(nn.Module):
         transport: str = "c10d",
         overlap: bool = True,
         process_group=None,
+        check_finite: bool = False,
     ):
         super().__init__()
         # Validate everything local before talking to other ranks: every rank
@@ -125,6 +130,7 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.overlap = overlap
         self.transport = transport
+        self.check_finite = check_finite
         self.require_backward_grad_sync = True  # no_sync() flips this
 
         # Frozen parameters (requires_grad=False) are not part of DDP at all.
@@ -136,6 +142,10 @@ class DistributedDataParallel(nn.Module):
         if not specs:
             raise ValueError("DistributedDataParallel needs a module with at least one parameter that requires grad")
 
+        if process_group is None:  # (a custom group's members are the caller's business)
+            check_same_config(launch.allgather_object({
+                "bucket_cap_mb": "auto" if self._tuner else bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
+                "transport": transport, "check_finite": bool(check_finite)}))
         self._comm = make_comm(transport, process_group)
         self.world_size = self._comm.size
         self.rank = self._comm.rank
@@ -232,6 +242,7 @@ class DistributedDataParallel(nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
         start = _now()
+        self._check_parameters_unchanged()
         if self._tuner is not None and not self._tuner.done and torch.is_grad_enabled() \
                 and self.require_backward_grad_sync:
             self._autotune(start)
@@ -251,12 +262,28 @@ class DistributedDataParallel(nn.Module):
             self._events.forward_end_ns = _now()
         return out
 
+    def _check_parameters_unchanged(self) -> None:
+        """A model whose trainable parameters changed after wrapping would train them un-averaged."""
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
+            return
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        added = [n for n in names if n not in self._names]
+        gone = [n for n in self._names if n not in names]
+        raise RuntimeError(
+            f"the module's trainable parameters changed after DistributedDataParallel wrapped it: "
+            f"{len(self._params)} then, {len(now)} now (added: {added[:5] or 'none'}, gone or replaced: "
+            f"{gone[:5] or 'none'}). Finish building the model (and setting requires_grad) before wrapping it, "
+            "or wrap the new model in a new DistributedDataParallel"
+        )
+
     def _begin_iteration(self, start_ns: int) -> None:
         n_buckets = len(self._buffers)
         self._pending = list(self._bucket_sizes)  # params still to arrive, per bucket
         self._next_launch = 0  # buckets launch strictly in plan order
         self._futures: list = [None] * n_buckets
         self._seen = bytearray(len(self._params))
+        self._nonfinite = bytearray(len(self._params))
         self._ready_order: list[int] = []
         self._finalize_queued = False
         self._expect_grads = True
@@ -293,6 +320,8 @@ class DistributedDataParallel(nn.Module):
         self._seen[i] = 1
         self._ready_order.append(i)
         self._events.backward_end_ns = now
+        if self.check_finite and not bool(torch.isfinite(param.grad).all()):
+            self._nonfinite[i] = 1
         self._pack(i, param)
         b = self._bucket_of[i]
         self._pending[b] -= 1
@@ -353,15 +382,19 @@ class DistributedDataParallel(nn.Module):
         # One more small collective after the buckets: how many ranks produced
         # each gradient. It is what lets every rank -- not only the one missing
         # a gradient -- fail together instead of hanging.
+        # With check_finite the same collective also counts, per parameter, the ranks whose
+        # gradient held a NaN or Inf (a second half of the vector).
+        flags = bytes(self._seen) + (bytes(self._nonfinite) if self.check_finite else b"")
         used = None
         if self.world_size > 1:
-            used = torch.frombuffer(bytearray(self._seen), dtype=torch.uint8).to(torch.int32)
+            used = torch.frombuffer(bytearray(flags), dtype=torch.uint8).to(torch.int32)
             used_fut = self._comm.allreduce(used)
         for b, fut in enumerate(self._futures):
             result = fut.wait()
             if result.data_ptr() != self._buffers[b].data_ptr():
                 self._buffers[b].copy_(result)
-        counts = used_fut.wait().tolist() if used is not None else list(self._seen)
+        totals = used_fut.wait().tolist() if used is not None else list(flags)
+        counts, nonfinite = totals[:len(self._params)], totals[len(self._params):]
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
@@ -369,10 +402,17 @@ class DistributedDataParallel(nn.Module):
             self._rebuild_order = self._ready_order
         if not self.find_unused_parameters and min(counts) < self.world_size:
             self._raise_unused(counts)
+        if any(nonfinite):
+            self._raise_nonfinite()
         self._write_grads(counts)
 
     def _raise_unused(self, counts: list[int]) -> None:
         raise unused_parameters_error(self._names, counts, self.world_size, self.rank, self._seen)
+
+    def _raise_nonfinite(self) -> None:
+        mine = [self._names[i] for i, bad in enumerate(self._nonfinite) if bad]
+        everyone = self._comm.allgather_object(mine) if self.world_size > 1 else [mine]
+        raise nonfinite_error(everyone, self.rank)
 
     def _write_grads(self, counts: list[int]) -> None:
         for i, p in enumerate(self._params):

@@ -54,6 +54,17 @@ def run(case: str) -> None:
     elif case == "loss_not_scalar":
         ddp = DistributedDataParallel(params)
         ddp.value_and_grad(lambda p, x: x @ p["enc"]["w"])(params, jnp.ones((3, 4)))
+    elif case == "cap_differs":
+        DistributedDataParallel(params, bucket_cap_mb=5.0 if last else 25.0)
+    elif case == "strategy_differs":
+        DistributedDataParallel(params, strategy="compiled" if last else "hooked")
+    elif case == "nonfinite":
+        ddp = DistributedDataParallel(params, check_finite=True)
+        x = jnp.full((3, 4), jnp.inf if last else 1.0)
+        ddp.value_and_grad(lambda p, x: jnp.sum(jnp.tanh(x @ p["enc"]["w"] + p["enc"]["b"]) @ p["dec"]["w"]))(
+            params, x)
+    elif case == "check_finite_compiled":
+        DistributedDataParallel(params, strategy="compiled", check_finite=True)
     elif case == "compiled_without_jax_distributed":
         DistributedDataParallel(params, strategy="compiled")
     else:

@@ -99,12 +99,12 @@ def vs_global_batch(dtype: str, strategy: str, overlap: bool = True):
 
 def auto_cap(strategy: str):
     """bucket_cap_mb="auto": 20 float64 steps against the global batch; the choice, per rank."""
-    from portddp.autotune import CANDIDATES_MB  # noqa: PLC0415
+    from portddp.autotune import CapTuner  # noqa: PLC0415
 
     params = init_params(100, "float64")
     ddp = DistributedDataParallel(params, bucket_cap_mb="auto", first_bucket_cap_mb=CAP_MB / 4, strategy=strategy)
     grad_fn, ref_grad, ref = ddp.value_and_grad(loss_fn), jax.jit(jax.grad(loss_fn)), params
-    steps = 2 + len(CANDIDATES_MB) * 4
+    steps = CapTuner().iterations + 1
     for step in range(steps):
         params = sgd(params, grad_fn(params, my_batch(ddp, step, "float64"))[1])
         ref = sgd(ref, ref_grad(ref, global_batch(regression_batch, ddp.world_size, 3, step, batch=BATCH,

@@ -1,10 +1,11 @@
 """A job that loses a rank in the middle of a backward pass (tests/test_reliability.py).
 
-    mpirun -n 3 python -m tests.workers.rank_failure <impl> <dir>
+    mpirun -n 3 python -m tests.workers.rank_failure <impl> <dir> [kill|raise]
 
 Every rank writes its pid to <dir>/pid.<rank> and trains. On the last rank, at
 step 3, the backward pass stops in a hook after writing <dir>/victim: the test
-SIGKILLs that pid there. What the surviving ranks do next is under test.
+SIGKILLs that pid there ("kill"), or the hook raises ("raise": a bug on one
+rank only). What the surviving ranks do next is under test.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import portddp
 
 IMPL, OUT = sys.argv[1], Path(sys.argv[2])
+MODE = sys.argv[3] if len(sys.argv) > 3 else "kill"
 WORLD = portddp.init(jax_distributed=IMPL == "jax-compiled")
 (OUT / f"pid.{WORLD.rank}").write_text(str(os.getpid()))
 VICTIM = WORLD.size - 1
@@ -27,6 +29,8 @@ def pause(step: int) -> None:
     """Inside the backward pass: the victim parks here until it is killed."""
     if WORLD.rank == VICTIM and step == 3:
         (OUT / "victim").write_text(str(os.getpid()))
+        if MODE == "raise":
+            raise RuntimeError("a bug on the last rank only")
         time.sleep(120)
 
 

@@ -67,6 +67,31 @@ def run(case: str, transport: str) -> None:
                                 transport=transport)
     elif case == "unknown_transport":
         DistributedDataParallel(nn.Linear(4, 4), transport="carrier-pigeon")
+    elif case == "dtype_mismatch":
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        DistributedDataParallel(model.double() if last else model, transport=transport)
+    elif case == "cap_differs":
+        DistributedDataParallel(nn.Linear(4, 4), bucket_cap_mb=5.0 if last else 25.0, transport=transport)
+    elif case == "transport_differs":
+        DistributedDataParallel(nn.Linear(4, 4), transport="mpi" if last else "c10d")
+    elif case == "sparse_gradient":
+        ddp = DistributedDataParallel(nn.Embedding(10, 4, sparse=True), transport=transport)
+        ddp(torch.tensor([1, 2, 3])).sum().backward()
+    elif case == "backward_twice":
+        ddp = DistributedDataParallel(nn.Linear(4, 4), transport=transport)
+        out = ddp(torch.randn(2, 4)).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+    elif case == "modified_after_wrap":
+        model = nn.Sequential(nn.Linear(4, 4))
+        ddp = DistributedDataParallel(model, transport=transport)
+        model.append(nn.Linear(4, 2))
+        ddp(torch.randn(2, 4))
+    elif case == "nonfinite":
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport,
+                                      check_finite=True)
+        x = torch.full((2, 4), float("nan") if last else 1.0)
+        ddp(x).sum().backward()
     else:
         raise SystemExit(f"unknown case {case!r}")
 

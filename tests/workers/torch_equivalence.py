@@ -178,11 +178,38 @@ def overlap_events(transport, rank):
                ordered=all(a.launch_ns <= b.launch_ns for a, b in zip(ev.buckets, ev.buckets[1:])))
 
 
+def frozen_and_noncontiguous(transport, rank):
+    """A frozen parameter is left out (and left alone); a non-contiguous one is reduced correctly.
+    Both against native DDP, which treats them the same way."""
+    def frozen(model):
+        model.fc1.weight.requires_grad_(False)
+        return model
+
+    def noncontiguous(model):
+        w = model.fc2.weight.detach()
+        model.fc2.weight = nn.Parameter(w.t().contiguous().t())  # same values, transposed strides
+        assert not model.fc2.weight.is_contiguous()
+        return model
+
+    for name, edit in (("frozen", frozen), ("noncontiguous", noncontiguous)):
+        native_model, ours_model = edit(make()), edit(make())
+        before = ours_model.fc1.weight.detach().clone()
+        native = nn.parallel.DistributedDataParallel(native_model, bucket_cap_mb=CAP_MB)
+        ours = DistributedDataParallel(ours_model, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB,
+                                       transport=transport)
+        train(native, native_model, rank, steps=3)
+        train(ours, ours_model, rank, steps=3)
+        diff, equal = max_diff(native_model, ours_model)
+        planned = [s.name for s in ours.bucket_plan.specs]
+        report(f"{name}/{transport}", max_diff=diff, bitwise=equal, planned=planned,
+               frozen_unchanged=bool(torch.equal(before, ours_model.fc1.weight)))
+
+
 def auto_cap(transport, rank):
     """bucket_cap_mb="auto" trains exactly like native DDP while it tries caps; every rank picks the same."""
-    from portddp.autotune import CANDIDATES_MB  # noqa: PLC0415
+    from portddp.autotune import CapTuner  # noqa: PLC0415
 
-    steps = 2 + len(CANDIDATES_MB) * 4
+    steps = CapTuner().iterations + 1
     native_model, ours_model = make(), make()
     native = nn.parallel.DistributedDataParallel(native_model, bucket_cap_mb=CAP_MB)
     ours = DistributedDataParallel(ours_model, bucket_cap_mb="auto", first_bucket_cap_mb=CAP_MB,
@@ -211,6 +238,7 @@ def main():
         hooks_vs_numpy(transport, w.rank, w.size)
         overlap_events(transport, w.rank)
         auto_cap(transport, w.rank)
+        frozen_and_noncontiguous(transport, w.rank)
 
 
 if __name__ == "__main__":

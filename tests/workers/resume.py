@@ -1,0 +1,184 @@
+"""Determinism and checkpoint/resume, in two separate jobs (tests/test_reliability.py):
+
+    mpirun -n 2 python -m tests.workers.resume first <dir>    # 10 steps; 5 steps + save
+    mpirun -n 2 python -m tests.workers.resume second <dir>   # 10 steps again; load + 5 steps; torn files
+
+Each case trains a small model with AdamW (PyTorch: with Dropout, so the random
+state matters) and reports a SHA-256 of its final parameters' bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import portddp
+
+PHASE, OUT = sys.argv[1], Path(sys.argv[2])
+WORLD = portddp.init(jax_distributed=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from portddp import checkpoint  # noqa: E402
+from portddp.data import regression_batch  # noqa: E402
+from tests.workers import common  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+IN, HID, OUT_DIM, BATCH, STEPS, HALF = 16, 64, 4, 8, 10, 5
+IMPLS = ("native", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled")
+DTYPES = ("float32", "float64")
+
+
+def digest(arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+class TorchCase:
+    def __init__(self, impl, dtype, seed=0):
+        from portddp.torch import DistributedDataParallel  # noqa: PLC0415
+
+        torch.manual_seed(seed)
+        self.dtype = getattr(torch, dtype)
+        self.model = nn.Sequential(nn.Linear(IN, HID), nn.Tanh(), nn.Dropout(0.2), nn.Linear(HID, HID), nn.Tanh(),
+                                   nn.Linear(HID, OUT_DIM)).to(self.dtype)
+        if impl == "native":
+            self.ddp = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=0.01)
+        else:
+            self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=0.01, first_bucket_cap_mb=0.005,
+                                               transport=impl.removeprefix("torch-"))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        torch.manual_seed(1000 + WORLD.rank)  # each rank its own dropout masks
+
+    def train(self, start, stop):
+        for step in range(start, stop):
+            x, y = (torch.from_numpy(a).to(self.dtype) for a in regression_batch(5, step, WORLD.rank, BATCH, IN,
+                                                                                   OUT_DIM, dtype="float64"))
+            self.opt.zero_grad()
+            nn.functional.mse_loss(self.ddp(x), y).backward()
+            self.opt.step()
+
+    def digest(self):
+        return digest(p.detach().numpy() for p in self.model.parameters())
+
+    def save(self, path, step):
+        checkpoint.save(path, self.ddp, step=step, optimizer=self.opt)
+
+    def load(self, path):
+        return checkpoint.load(path, self.ddp, optimizer=self.opt).step
+
+
+class JaxCase:
+    def __init__(self, impl, dtype, seed=0):
+        from portddp.jax import DistributedDataParallel  # noqa: PLC0415
+
+        k = jax.random.split(jax.random.key(seed), 3)
+        self.dtype = dtype
+        dims = [(IN, HID), (HID, HID), (HID, OUT_DIM)]
+        params = {f"l{i}": {"w": (jax.random.normal(k[i], d) / np.sqrt(d[0])).astype(dtype),
+                            "b": jnp.zeros(d[1], dtype)} for i, d in enumerate(dims)}
+        self.ddp = DistributedDataParallel(params, bucket_cap_mb=0.01, first_bucket_cap_mb=0.005,
+                                           strategy=impl.removeprefix("jax-"))
+        self.params = self.ddp.broadcast(params)
+        self.tx = optax.adamw(1e-2)
+        self.opt_state = self.tx.init(self.params)
+        self.grad_fn = self.ddp.value_and_grad(self.loss)
+        self.update = jax.jit(self._update)
+
+    @staticmethod
+    def loss(p, batch):
+        x, y = batch
+        h = jnp.tanh(x @ p["l0"]["w"] + p["l0"]["b"])
+        h = jnp.tanh(h @ p["l1"]["w"] + p["l1"]["b"])
+        return jnp.mean((h @ p["l2"]["w"] + p["l2"]["b"] - y) ** 2)
+
+    def _update(self, p, s, g):
+        u, s = self.tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def train(self, start, stop):
+        for step in range(start, stop):
+            batch = regression_batch(5, step, WORLD.rank, BATCH, IN, OUT_DIM, dtype=self.dtype)
+            _, grads = self.grad_fn(self.params, batch)
+            self.params, self.opt_state = self.update(self.params, self.opt_state, grads)
+
+    def digest(self):
+        return digest(np.asarray(x) for x in jax.tree.leaves(self.params))
+
+    def save(self, path, step):
+        checkpoint.save(path, self.ddp, step=step, params=self.params, opt_state=self.opt_state)
+
+    def load(self, path):
+        ck = checkpoint.load(path, self.ddp)
+        self.params, self.opt_state = ck.params, ck.opt_state
+        return ck.step
+
+
+def make(impl, dtype, seed=0):
+    return (JaxCase if impl.startswith("jax") else TorchCase)(impl, dtype, seed)
+
+
+def torn_files(path: Path) -> None:
+    """A truncated and a corrupted copy: refused on every rank, naming the file and the previous one."""
+    case = make("torch-c10d", "float32")
+    for kind in ("truncated", "corrupt", "missing"):
+        bad = OUT / f"torn-{kind}"
+        if WORLD.rank == 0:
+            shutil.copy(path, bad)
+            shutil.copy(path, _prev(bad))  # an intact previous checkpoint beside it
+            raw = bad.read_bytes()
+            if kind == "truncated":
+                bad.write_bytes(raw[: len(raw) // 2])
+            elif kind == "corrupt":
+                bad.write_bytes(raw[:-10] + bytes(b ^ 0xFF for b in raw[-10:]))
+            else:
+                bad.unlink()
+        checkpoint._allgather(case.ddp, None)  # the files exist before anyone reads them
+        try:
+            case.load(bad)
+            message = None
+        except checkpoint.CheckpointError as e:
+            message = str(e)
+        common.report(WORLD.rank, f"torn/{kind}", message=message, prev=str(_prev(bad)))
+
+
+def _prev(p: Path) -> Path:
+    return p.with_name(p.name + ".prev")
+
+
+def main():
+    for impl in IMPLS:
+        for dtype in DTYPES:
+            name = f"{impl}/{dtype}"
+            full = make(impl, dtype)
+            full.train(0, STEPS)
+            common.report(WORLD.rank, f"{PHASE}/full/{name}", digest=full.digest())
+            if impl == "native":
+                continue
+            path = OUT / f"{impl}-{dtype}.ckpt"
+            if PHASE == "first":
+                half = make(impl, dtype)
+                half.train(0, HALF)
+                half.save(path, HALF)
+            else:
+                resumed = make(impl, dtype, seed=123)  # other initial values: the checkpoint must win
+                start = resumed.load(path)
+                resumed.train(start, STEPS)
+                common.report(WORLD.rank, f"resumed/{name}", digest=resumed.digest(), start=start)
+    if PHASE == "second":
+        torn_files(OUT / "torch-c10d-float32.ckpt")
+
+
+if __name__ == "__main__":
+    main()
