@@ -106,24 +106,20 @@ def print_results(results: dict, title: str, extra: dict[str, str]) -> None:
 class Memory:
     """Resident memory of this process (Linux /proc), for "how much did this add at its peak".
 
-        mem = Memory()           # also makes glibc hand large blocks back to the OS at free(),
-        mem.start()              # so a freed tensor does not linger in the heap as resident memory
+        mem = Memory()
+        mem.start()              # settle, then reset the kernel's high-water mark
         ... build and run something ...
         mem.peak_mb()            # peak RSS since start() minus RSS at start(), in MB
 
     The peak is the kernel's high-water mark (VmHWM), reset by writing 5 to
-    /proc/self/clear_refs: exact, not sampled. Elsewhere every reading is None."""
+    /proc/self/clear_refs: exact, not sampled. But the allocator is left as it
+    is (changing its thresholds would change the timings too), so memory freed
+    earlier and kept by malloc can be reused unseen: read it as approximate.
+    Elsewhere than Linux every reading is None."""
 
     def __init__(self):
         self.ok = os.path.exists("/proc/self/clear_refs")
         self._base = 0
-        if self.ok:
-            import ctypes  # noqa: PLC0415
-
-            libc = ctypes.CDLL(None)
-            if hasattr(libc, "mallopt"):
-                libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: blocks >= 1 MB are mmap'd (freed = returned)
-                libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD: trim the heap top above 1 MB
 
     @staticmethod
     def _status(key: str) -> int:

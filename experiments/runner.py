@@ -72,8 +72,10 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
             peak_mb[v.label] = memory.peak_mb()
         times = {label: [] for label in trainers}
         stats = {label: [] for label in trainers}
-        for _ in range(cfg.rounds):
-            for label, t in trainers.items():
+        order = list(trainers.items())
+        for r in range(cfg.rounds):
+            # Each round starts with another variant, so that none always runs right after the same one.
+            for label, t in order[r % len(order):] + order[:r % len(order)]:
                 for _ in range(cfg.steps_per_round):
                     times[label].append(t.step())
                     stats[label].append(t.stats())

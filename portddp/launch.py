@@ -148,12 +148,17 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
 
 
 def _pin_threads(w: World, num_threads: int | None) -> int:
-    """Give each rank its share of the cores, in torch and (if not yet imported) in XLA."""
+    """Give each rank its share of the cores: in torch, in numpy's BLAS and (if not yet imported)
+    in XLA. numpy's OpenBLAS otherwise starts a thread per core in every rank, and its idle
+    threads spin: on two cores shared by two ranks that alone made every step half as fast."""
+    import numpy  # noqa: F401, PLC0415 -- loads its BLAS, so that the limit below reaches it
+    import threadpoolctl  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // max(1, w.local_size))
     torch.set_num_threads(num_threads)
+    threadpoolctl.threadpool_limits(num_threads)
     if num_threads == 1 and "jax" not in sys.modules:
         # XLA reads its flags when its CPU client starts: one Eigen thread per rank.
         flags = os.environ.get("XLA_FLAGS", "")

@@ -1,0 +1,71 @@
+"""experiments.bench and experiments.soak, on a small MLP: they run, measure what they claim,
+and end with the lines the README quotes. (The real runs are minutes long: see README.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests import mpi
+
+HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit", "jax_hooked_vs_limit",
+            "jax_hooked_overlap")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = mpi.run(2, "experiments.bench", "--models", "mlp", "--width", "128", "--depth", "3", "--batch", "8",
+                   "--warmup", "2", "--rounds", "1", "--steps-per-round", "2", "--sweep-impls", "torch-mpi",
+                   "--out-dir", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads((out / "bench-n2.json").read_text())
+
+
+def test_last_line_holds_the_headline_ratios(bench):
+    stdout, payload = bench
+    last = dict(kv.split("=") for kv in stdout.strip().splitlines()[-1].split())
+    for key in HEADLINE:
+        assert float(last[key]) > 0, last
+    assert "torch_mpi_auto_vs_best_fixed" in last
+    assert payload["headline"].keys() >= set(HEADLINE)
+
+
+def test_every_implementation_is_measured_side_by_side(bench):
+    _, payload = bench
+    labels = {r["label"] for r in payload["rows"] if r["group"] == "mlp"}
+    assert labels == {"torch-local", "native", "torch-c10d", "torch-mpi", "torch-mpi+view", "jax-local",
+                      "jax-hooked", "jax-compiled"}
+    for r in payload["rows"]:
+        assert len(r["times_s"]) == 2 and r["median_s"] > 0, r["label"]
+
+
+def test_gradient_as_bucket_view_holds_one_copy_of_the_gradients_not_two(bench):
+    _, payload = bench
+    rows = {r["label"]: r for r in payload["rows"] if r["group"] == "mlp"}
+    n_bytes = (128 * 128 + 128) * 3 * 4 / 2**20
+    assert rows["torch-mpi"]["grad_mb"] == pytest.approx(2 * n_bytes)
+    assert rows["torch-mpi+view"]["grad_mb"] == pytest.approx(n_bytes)
+
+
+def test_auto_chose_one_of_the_swept_caps(bench):
+    _, payload = bench
+    auto = next(r for r in payload["rows"] if r["params"].get("bucket_cap_mb") == "auto")
+    fixed = {r["params"]["bucket_cap_mb"] for r in payload["rows"] if r["group"] == "mlp: caps"} - {"auto"}
+    assert auto["auto"]["chosen_mb"] in fixed
+    assert auto["vs_best_fixed"] > 0
+
+
+def test_soak_reports_memory_threads_and_files(tmp_path):
+    out = tmp_path / "soak.json"
+    proc = mpi.run(2, "experiments.soak", "--iterations", "40", "--warmup", "10", "--every", "10", "--width", "64",
+                   "--depth", "2", "--batch", "8", "--impls", "torch-mpi", "jax-hooked", "--out", str(out),
+                   timeout=240)
+    payload = json.loads(out.read_text())
+    assert [r["impl"] for r in payload["results"]] == ["torch-mpi", "jax-hooked"], proc.stdout[-2000:]
+    for row in payload["results"]:
+        for rank in row["ranks"]:
+            assert len(rank["samples"]) == 4 and rank["samples"][0]["open_files"] > 0
+    assert proc.returncode == (0 if all(r["ok"] for r in payload["results"]) else 1)
+    assert "torch-mpi_rss_growth=" in proc.stdout.splitlines()[-1]
