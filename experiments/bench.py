@@ -12,8 +12,8 @@ medians, ratios to native DDP and to the framework's own limit, overlap ratio,
 exposed communication, the memory holding gradients after a step (every
 distinct .grad storage plus portddp's bucket buffers), and the peak resident
 memory each one added while it was built and warmed up (Linux VmHWM; memory an
-earlier variant freed can be reused, so read it as approximate). Then, on the MLP, a fixed-cap sweep beside
-bucket_cap_mb="auto". JSON in results/bench-n<N>.json; the last line holds the
+earlier variant freed can be reused, so read it as approximate). Then, on the
+MLP, a fixed-cap sweep beside bucket_cap_mb="auto". JSON in results/bench-n<N>.json; the last line holds the
 headline ratios (each the worse of the two models).
 """
 
@@ -24,6 +24,7 @@ import math
 
 from experiments import runner
 from experiments.common import parse_config
+from experiments.impls import IMPLEMENTATIONS
 from portddp.autotune import CANDIDATES_MB, CapTuner
 
 TORCH_DDP = ("torch-c10d", "torch-mpi", "torch-mpi+view")
@@ -34,13 +35,17 @@ HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit
 @dataclasses.dataclass
 class Config(runner.ExperimentConfig):
     models: tuple[str, ...] = dataclasses.field(default=("mlp", "gpt"), metadata={"help": "mlp and/or gpt"})
+    impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS, metadata={"help": "implementations"})
     gpt_batch: int = dataclasses.field(default=4, metadata={"help": "gpt: sequences per rank per step"})
     sweep: bool = dataclasses.field(default=True, metadata={"help": "the MLP's fixed-cap sweep beside 'auto'"})
+    split_frameworks: bool = dataclasses.field(
+        default=False, metadata={"help": "time PyTorch and JAX variants in separate groups (half the models in "
+                                         "memory at once: for many ranks on one host; ratios stay within a group)"})
     sweep_impls: tuple[str, ...] = dataclasses.field(default=("torch-mpi", "jax-hooked"),
                                                      metadata={"help": "implementations in the sweep"})
-    rounds: int = dataclasses.field(default=4, metadata={"help": "interleaved rounds"})
+    rounds: int = dataclasses.field(default=5, metadata={"help": "interleaved rounds"})
     steps_per_round: int = dataclasses.field(default=3, metadata={"help": "timed steps per variant per round"})
-    warmup: int = dataclasses.field(default=4, metadata={"help": "untimed steps per variant (JAX compiles here)"})
+    warmup: int = dataclasses.field(default=6, metadata={"help": "untimed steps per variant (JAX compiles here)"})
 
 
 def _auto_warmup() -> int:
@@ -61,7 +66,11 @@ def variants(cfg: Config, world):
             ("jax-hooked", "jax-hooked", {}),
             ("jax-compiled", "jax-compiled", {}),
         ):
-            yield runner.Variant(label, impl, knobs, group=model, params={"model": model}, model=shape)
+            if impl not in cfg.impls:
+                continue
+            group = f"{model} ({impl.split('-')[0] if impl != 'native' else 'torch'})" if cfg.split_frameworks \
+                else model
+            yield runner.Variant(label, impl, knobs, group=group, params={"model": model}, model=shape)
     if cfg.sweep:
         for impl in cfg.sweep_impls:
             for cap in CANDIDATES_MB:
@@ -77,8 +86,8 @@ def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
     (worst over models); and the sweep's auto-vs-best-fixed ratios."""
     headline: dict[str, float] = {}
     tables = []
-    for model in dict.fromkeys(r["params"].get("model") for r in rows if r["group"] == r["params"].get("model")):
-        by = {r["label"]: r for r in rows if r["group"] == model}
+    for model in dict.fromkeys(r["params"]["model"] for r in rows if "model" in r["params"]):
+        by = {r["label"]: r for r in rows if r["params"].get("model") == model}
         med = {k: r["median_s"] for k, r in by.items()}
         for label, r in by.items():
             limit = med.get("jax-local" if label.startswith("jax") else "torch-local")

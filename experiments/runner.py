@@ -10,6 +10,7 @@ models in memory at a time).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -76,9 +77,14 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         for r in range(cfg.rounds):
             # Each round starts with another variant, so that none always runs right after the same one.
             for label, t in order[r % len(order):] + order[:r % len(order)]:
-                for _ in range(cfg.steps_per_round):
-                    times[label].append(t.step())
-                    stats[label].append(t.stats())
+                gc.collect()  # as timeit does: no collector pause inside a timed step
+                gc.disable()
+                try:
+                    for _ in range(cfg.steps_per_round):
+                        times[label].append(t.step())
+                        stats[label].append(t.stats())
+                finally:
+                    gc.enable()
         for v in members:
             t = trainers[v.label]
             events = t.events()

@@ -32,7 +32,7 @@ class Config(ModelConfig):
     max_rss_growth: float = dataclasses.field(default=0.05, metadata={"help": "allowed RSS growth after warm-up"})
     impls: tuple[str, ...] = dataclasses.field(default=("native", "torch-c10d", "torch-mpi", "jax-hooked",
                                                         "jax-compiled"), metadata={"help": "implementations"})
-    out: str = dataclasses.field(default="results/soak.json", metadata={"help": "JSON result path"})
+    out: str = dataclasses.field(default="results/soak/soak.json", metadata={"help": "JSON result path"})
 
 
 def sample(memory: Memory) -> dict:

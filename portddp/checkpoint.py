@@ -144,7 +144,9 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
         raise TypeError("portddp.jax checkpoints need params= (and opt_state= if there is one)")
     rngs = _allgather(ddp, _rng_state())
     if ddp.rank != 0:
-        _allgather(ddp, None)  # wait until rank 0 has written it
+        written_or_not = _allgather(ddp, None)  # wait until rank 0 has written it
+        if written_or_not[0]:
+            raise CheckpointError(f"rank 0: {written_or_not[0]}")
         return None
     payload = {
         "framework": "torch" if torch_side else "jax",
@@ -245,7 +247,7 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         r, e = bad[0]
-        raise CheckpointError(e if r == ddp.rank or error else f"rank {r} cannot load the checkpoint: {e}")
+        raise CheckpointError(error or f"rank {r} cannot load the checkpoint: {e}")
     _set_rng_state(payload["rng"][ddp.rank])
     _install_plan(ddp, BucketPlan.from_json(payload["bucket_plan"]), payload["bucket_cap_mb"])
     if _is_torch(ddp):

@@ -43,20 +43,23 @@ EXIT_CODE = 70
 
 def _alive(pid: int) -> bool:
     """Is `pid` a running process? A zombie (dead, not yet reaped) counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel whether it can signal it
+    if _HAS_PROC:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
             return False
-        except PermissionError:
-            return True
+        return state not in ("Z", "X")
+    try:  # no /proc: ask the kernel whether it could signal it (zombies then count as alive)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
         return True
+    return True
+
+
+_HAS_PROC = os.path.isdir("/proc/self")
 
 
 class Watchdog:

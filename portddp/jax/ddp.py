@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from portddp import launch
 from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
-from portddp import launch
 from portddp.jax import compiled
 from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
