@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import ipaddress
 import os
-import shutil
 import socket
 import sys
 
@@ -213,9 +212,9 @@ def init(
         _init_c10d(w, backend or "gloo", timeout_s)
     if jax_distributed:
         _init_jax(w, timeout_s)
+    _WORLD = w
     if watchdog and w.size > 1:
         _start_watchdog(w, torch_distributed)
-    _WORLD = w
     return w
 
 
@@ -241,25 +240,23 @@ def allgather_object(obj) -> list:
 
 
 def _start_watchdog(w: World, torch_distributed: bool) -> None:
-    """Exchange (host, pid) and start portddp.watchdog, once per process."""
+    """Connect every rank to every other for portddp.watchdog, once per process."""
     global _WATCHDOG
     from portddp import watchdog  # noqa: PLC0415
 
-    if _WATCHDOG is not None:
+    if _WATCHDOG is not None or not watchdog.enabled():
         return
-    me = (socket.gethostname(), os.getpid())
-    if w.rank == 0:  # a leftover of an earlier job with the same pid must not vouch for anyone
-        shutil.rmtree(watchdog.marker_dir(*me), ignore_errors=True)
-    if w.launcher == "mpirun":
-        peers = mpi_comm().allgather(me)
-    elif torch_distributed:
-        import torch.distributed as dist  # noqa: PLC0415
+    if w.launcher != "mpirun" and not torch_distributed:
+        return  # no channel to exchange addresses on before any collective
+    server, me = watchdog.listen(_reachable_address() or "127.0.0.1")
+    peers = allgather_object(me)
+    try:
+        _WATCHDOG = watchdog.start(w.rank, server, peers)
+    except OSError as e:  # every rank ends up here (a peer it waits for never connects): run without it
+        import warnings  # noqa: PLC0415
 
-        peers = [None] * w.size
-        dist.all_gather_object(peers, me)
-    else:
-        return  # no channel to learn the others' pids before any collective
-    _WATCHDOG = watchdog.start(w.rank, peers)
+        warnings.warn(f"portddp: rank {w.rank} runs without the watchdog (could not connect the ranks: {e}); "
+                      "a lost rank will be noticed by the collective timeouts only", stacklevel=2)
 
 
 def _init_jax(w: World, timeout_s: float) -> None:

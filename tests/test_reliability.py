@@ -1,8 +1,9 @@
-"""Reliability: a rank SIGKILLed in the middle of a backward pass, in a job of 3.
+"""Reliability: a rank SIGKILLed in the middle of a backward pass, in a job of 3; a bug on one
+rank; determinism and checkpoint/resume in two separate jobs.
 
-Two ways to launch: `mpirun -n 3` (whose own cleanup races portddp's watchdog to
-stop the survivors), and three bare processes with torchrun-style environment
-variables, where nothing but portddp.watchdog can stop them."""
+Two ways to launch the failures: `mpirun -n 3` (which also kills the survivors
+itself, racing portddp's watchdog), and three bare processes with torchrun-style
+environment variables, where nothing but portddp.watchdog can stop them."""
 
 from __future__ import annotations
 
@@ -106,9 +107,10 @@ def test_an_exception_on_one_rank_stops_the_others_naming_it(tmp_path):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_under_mpirun_the_job_ends_at_once_naming_the_lost_rank(impl, tmp_path):
-    """mpirun (MPICH's Hydra) SIGKILLs the survivors itself as soon as a rank dies by a signal and
-    prints its BAD TERMINATION banner (whose pid is the first death it saw, not always the victim's);
-    portddp's watchdog often gets there first and names the rank. Either way: fast, non-zero, no orphan."""
+    """Under `mpirun -n 3`, for every implementation. MPICH's mpirun SIGKILLs the survivors itself
+    the moment it sees a rank die by a signal, and stops forwarding their output: the watchdog
+    (which hears the closed socket within microseconds) usually gets its line out first, and the
+    banner names the dead pid otherwise. Either way: fast, non-zero, no orphan."""
     [(rc, output)], elapsed, pids = kill_mid_backward(impl, tmp_path, "mpirun")
     assert rc != 0 and elapsed < 60, output[-3000:]
     assert f"portddp: rank 2 (pid {pids[2]} on " in output or "BAD TERMINATION" in output, output[-3000:]
