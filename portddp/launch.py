@@ -16,6 +16,7 @@ cores: ranks on one host compete for the same cores otherwise.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import ipaddress
@@ -302,3 +303,17 @@ def _init_c10d(w: World, backend: str, timeout_s: float) -> None:
         world_size=w.size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    # We made it, so we take it down at exit: left to the interpreter's teardown, Gloo's threads
+    # sometimes abort the process ("terminate called without an active exception") after the
+    # script has finished.
+    atexit.register(_destroy_c10d)
+
+
+def _destroy_c10d() -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # at exit, nothing more useful to do with it
+            pass

@@ -99,6 +99,10 @@ class Watchdog:
         self._selector = selectors.DefaultSelector()
         for r, s in self.socks.items():
             self._selector.register(s, selectors.EVENT_READ, r)
+        # Written to at exit: the thread ends before the interpreter does (a daemon thread waking up
+        # during finalization can abort the process).
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending = {r: b"" for r in self.socks}
         self._thread = threading.Thread(target=self._run, name="portddp-watchdog", daemon=True)
         self._thread.start()
@@ -115,6 +119,8 @@ class Watchdog:
             events = self._selector.select(self.interval_s)
             for key, _ in events:
                 r = key.data
+                if r is None:
+                    return  # finished(): this rank is ending normally
                 try:
                     data = key.fileobj.recv(4096)
                 except OSError:
@@ -187,12 +193,18 @@ class Watchdog:
         self._excepthook(kind, value, tb)
 
     def finished(self) -> None:
-        """At exit: if nothing went wrong, say goodbye, so that the others let this rank go."""
+        """At exit: if nothing went wrong, say goodbye, so that the others let this rank go; then
+        stop the thread."""
         with self._lock:
-            if self._done:
-                return
-            self._done = True
-        self._tell_all(_BYE)
+            say_bye, self._done = not self._done, True
+        if say_bye:
+            self._tell_all(_BYE)
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2)
 
 
 def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: float | None = None) -> Watchdog:

@@ -10,6 +10,8 @@ largest parameter difference.
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
 
 import ml_dtypes
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import portddp
+from portddp.launch import detect
 from tests.workers import common
 from portddp.data import global_batch, regression_batch
 from portddp.torch import (DistributedDataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
@@ -243,3 +246,11 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if detect().launcher == "torchrun":
+        # Everything is written and checked by now. Under torchrun, PyTorch's own teardown after the
+        # script sometimes aborts ("terminate called without an active exception", ~1 run in 10, with
+        # or without portddp): run the exit handlers (portddp's watchdog says goodbye, c10d is taken
+        # down) and leave without the C++ teardown, so the test checks portddp and not that.
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        os._exit(0)
