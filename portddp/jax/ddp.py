@@ -17,6 +17,11 @@ Mirrors portddp/torch/ddp.py. What JAX forces to differ:
 * No `gradient_as_bucket_view` (gradients are fresh arrays, there is no
   `.grad` to alias) and no `broadcast_buffers` (a parameter pytree has no
   buffers: non-trainable state stays with the caller).
+* No check that the model changed after wrapping (portddp.torch's forward has
+  one): the pytree comes with every call, and a different structure, shape
+  or dtype is refused where it is flattened.
+* `check_finite` needs strategy="hooked": only there do gradients pass
+  through the host before they are reduced.
 
 strategy="hooked" is the above. strategy="compiled" and strategy="pmap" leave
 the scheduling to XLA: one psum per bucket inside the compiled step
