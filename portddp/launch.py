@@ -24,7 +24,8 @@ import os
 import socket
 import sys
 
-__all__ = ["World", "detect", "init", "world", "mpi_comm", "allgather_object", "DEFAULT_TIMEOUT_S"]
+__all__ = ["World", "detect", "init", "world", "mpi_comm", "allgather_object", "export_torchrun_env",
+           "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PORTDDP_TIMEOUT_S", 300))
 """Collective timeout (seconds) for c10d; override with init(timeout_s=...) or
@@ -86,6 +87,24 @@ def detect() -> World:
             "torchrun",
         )
     return World(0, 1, 0, 1, "none")
+
+
+def export_torchrun_env(rendezvous: bool = False) -> None:
+    """Under mpirun, give this process torchrun's variables, so scripts written for torchrun
+    (reading RANK, LOCAL_RANK, WORLD_SIZE, ... or calling init_process_group() with env://)
+    run unchanged. RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE come from the MPI
+    launcher's own variables (no communication); with `rendezvous`, MASTER_ADDR and
+    MASTER_PORT too -- rank 0 picks them and broadcasts them over MPI, so every rank must
+    call it at the same point. Variables already set are kept."""
+    w = detect() if _launched_by_mpi() else None
+    if w is None:
+        return
+    for name, value in (("RANK", w.rank), ("WORLD_SIZE", w.size), ("LOCAL_RANK", w.local_rank),
+                        ("LOCAL_WORLD_SIZE", w.local_size)):
+        os.environ.setdefault(name, str(value))
+    if rendezvous and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        addr, port = rendezvous_address(w)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
 
 
 def _reachable_address() -> str | None:
@@ -169,6 +188,9 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
 
 
 _WORLD: World | None = None
+MADE_C10D = False
+"""True once init() has created c10d's default group (portddp.torch lets a script's own
+init_process_group() adopt it)."""
 
 
 def world() -> World:
@@ -208,6 +230,7 @@ def init(
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
     _pin_threads(w, num_threads)
+    export_torchrun_env(rendezvous=w.size > 1)
     timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
     if torch_distributed:
         _init_c10d(w, backend or "gloo", timeout_s)
@@ -303,6 +326,8 @@ def _init_c10d(w: World, backend: str, timeout_s: float) -> None:
         world_size=w.size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    global MADE_C10D
+    MADE_C10D = True
     # We made it, so we take it down at exit: left to the interpreter's teardown, Gloo's threads
     # sometimes abort the process ("terminate called without an active exception") after the
     # script has finished.

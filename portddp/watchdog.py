@@ -23,6 +23,14 @@ to stderr and leaves with exit code 70. The first failure is the one named:
 a rank stopped by its watchdog passes its reason on. If the launcher above a
 rank disappears, the rank exits the same way, so no orphan is left behind.
 
+A goodbye is not always harmless: a rank whose loop ends early (one batch
+fewer, a `sys.exit(0)`) leaves the others waiting in a collective it will
+never join. The goodbye therefore carries how many synchronised DDP
+iterations the rank finished (`step_started`/`step_finished`, called by both
+DistributedDataParallel classes). A survivor that is inside -- or starts --
+an iteration the departed rank never reached exits the same way, naming the
+rank, its count and the fix (`join()` for uneven inputs).
+
 Knobs: `portddp.init(watchdog=False)` or PORTDDP_WATCHDOG=0 turns it off;
 PORTDDP_WATCHDOG_S (default 0.25 s) is how often the launcher is checked. A
 rank on another host whose machine vanishes without closing its sockets is
@@ -40,12 +48,36 @@ import sys
 import threading
 import time
 
-__all__ = ["EXIT_CODE", "Watchdog", "listen", "start"]
+__all__ = ["EXIT_CODE", "Watchdog", "listen", "start", "step_started", "step_finished"]
 
 EXIT_CODE = 70
 """The exit status of a rank that stopped because another rank was lost (EX_SOFTWARE)."""
 
 _BYE, _FAILED, _STOPPED = b"B", b"F", b"S"
+
+
+class _Steps:
+    """This process's synchronised DDP iterations: how many finished, and whether one is under way."""
+
+    completed = 0
+    busy = False
+
+
+_STEPS = _Steps()
+_ACTIVE: "Watchdog | None" = None
+
+
+def step_started() -> None:
+    """A DDP iteration (its collectives) begins on this rank: stop now if a peer already left
+    before reaching it."""
+    _STEPS.busy = True
+    if _ACTIVE is not None:
+        _ACTIVE.check_departed()
+
+
+def step_finished() -> None:
+    _STEPS.completed += 1
+    _STEPS.busy = False
 
 
 def _alive(pid: int) -> bool:
@@ -104,6 +136,7 @@ class Watchdog:
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending = {r: b"" for r in self.socks}
+        self._departed: dict[int, int] = {}  # rank -> synchronised iterations it finished before leaving
         self._thread = threading.Thread(target=self._run, name="portddp-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.finished)
@@ -141,12 +174,30 @@ class Watchdog:
         """"" for a peer that said goodbye, the loss to report, or None (nothing decided yet)."""
         kind, text = message[:1], message[1:].decode(errors="replace").strip()
         if kind == _BYE:
-            return ""
+            self._departed[r] = int(text or 0)
+            return self._left_early(r) or ""
         if kind == _FAILED:
             return f"{self._who(r)} failed with {text}"
         if kind == _STOPPED:
             return text
         return f"{self._who(r)} is gone" if closed else None
+
+    def _left_early(self, r: int) -> str | None:
+        """The loss to report if rank r, gone after its last iteration, is needed by the one under way here."""
+        done = self._departed[r]
+        if not (_STEPS.busy and _STEPS.completed >= done):
+            return None
+        return (f"{self._who(r)} left without an error (its script returned or called sys.exit) after {done} synchronised iteration(s), while this "
+                f"rank is in iteration {_STEPS.completed + 1}, whose collectives need every rank. Give every rank "
+                "the same number of batches (e.g. DistributedSampler with drop_last=True), or wrap the training "
+                "loop in `with ddp.join():` for uneven inputs")
+
+    def check_departed(self) -> None:
+        """From step_started(): a peer that already left makes this iteration impossible."""
+        for r in list(self._departed):
+            what = self._left_early(r)
+            if what is not None:
+                self._exit(what)
 
     def _forget(self, r: int) -> None:
         self._selector.unregister(self.socks[r])
@@ -198,7 +249,7 @@ class Watchdog:
         with self._lock:
             say_bye, self._done = not self._done, True
         if say_bye:
-            self._tell_all(_BYE)
+            self._tell_all(_BYE, str(_STEPS.completed))
         try:
             self._wake_w.send(b"x")
         except OSError:
@@ -214,7 +265,9 @@ def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: floa
         interval_s = float(os.environ.get("PORTDDP_WATCHDOG_S", 0.25))
     if not interval_s > 0:
         raise ValueError(f"PORTDDP_WATCHDOG_S={interval_s!r}: pass a polling interval in seconds > 0")
-    return Watchdog(rank, server, peers, interval_s)
+    global _ACTIVE
+    _ACTIVE = Watchdog(rank, server, peers, interval_s)
+    return _ACTIVE
 
 
 def enabled() -> bool:

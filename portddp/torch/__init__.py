@@ -3,6 +3,7 @@
 Mirrors `portddp.jax`: the same public names, so the two can be read side by side.
 """
 
+from portddp.torch import dropin
 from portddp.torch.ddp import DistributedDataParallel, GradBucket
 from portddp.torch.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 
@@ -14,3 +15,5 @@ __all__ = [
     "fp16_compress_hook",
     "noop_hook",
 ]
+
+dropin.install()

@@ -19,17 +19,28 @@ made readable:
 
 The per-iteration state is a handful of plain lists on `self` (pending counts,
 ready flags, the next bucket to launch, futures), reset at each forward.
+
+The constructor takes native DDP's arguments in native's order (a script that
+swaps only its import keeps working) and portddp's own knobs keyword-only; the
+wrapper is an `nn.Module` like native's (`state_dict()` keys carry `module.`,
+`.to()`/`.double()` re-plan the buckets) and a `Joinable`, so native's
+`Join` context manager -- and `ddp.join()` -- train on uneven inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+import warnings
+import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from portddp import launch
+from portddp import launch, watchdog
 from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
 from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
@@ -39,6 +50,8 @@ from portddp.torch.comm import TRANSPORTS, make_comm
 __all__ = ["DistributedDataParallel", "GradBucket"]
 
 _now = time.perf_counter_ns
+_DEFAULT_CAP_MB = 25.0  # native's default bucket_cap_mb (MiB) ...
+_DEFAULT_FIRST_CAP_MB = 1.0  # ... and its first bucket's cap when bucket_cap_mb is not given
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -46,12 +59,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class GradBucket:
-    """What a comm hook sees: one bucket's flat buffer and how to reduce it."""
+    """What a comm hook sees: one bucket's flat buffer and how to reduce it.
 
-    def __init__(self, index: int, buffer: torch.Tensor, params: list, num_buckets: int, comm):
+    The interface of `torch.distributed.GradBucket` (index, buffer, gradients,
+    parameters, is_last, set_buffer), so PyTorch's own hooks (PowerSGD,
+    fp16_compress_wrapper, ...) run unchanged, plus `allreduce()` on this DDP's
+    transport for portddp's hooks."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list, grads: list, num_buckets: int, comm):
         self._index = index
         self._buffer = buffer
         self._params = params
+        self._grads = grads
         self._is_last = index == num_buckets - 1
         self._comm = comm
         self.world_size = comm.size
@@ -61,6 +80,14 @@ class GradBucket:
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace the tensor `buffer()` returns (e.g. by a compressed copy), as native's does."""
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view of the bucket buffer per parameter, shaped like it."""
+        return list(self._grads)
 
     def parameters(self) -> list:
         return list(self._params)
@@ -73,27 +100,94 @@ class GradBucket:
         return self._comm.allreduce(tensor)
 
 
-class DistributedDataParallel(nn.Module):
+class _StaticGraphSink(torch.autograd.Function):
+    """static_graph=True: the forward's outputs pass through here, and its backward -- the
+    first node of the outermost backward pass -- queues the end-of-backward callback there.
+    Reentrant backward passes (activation checkpointing with use_reentrant=True) run their
+    gradient hooks inside a nested pass; the callback must not end the iteration with it."""
+
+    @staticmethod
+    def forward(ctx, ddp_ref, *tensors):
+        ctx.ddp_ref = ddp_ref
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ddp = ctx.ddp_ref()
+        if ddp is not None and ddp._expect_grads:
+            ddp._queue_finalize()
+        return (None, *grads)
+
+
+class _JoinHook(JoinHook):
+    """What a rank that ran out of inputs does inside `Join` while the others still train:
+    issue the collectives of their forward and backward passes (zeros for the gradients),
+    then, once everyone has joined, take the model of the last rank to join."""
+
+    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool):
+        if ddp._tuner is not None and not ddp._tuner.done:
+            raise RuntimeError("join() with bucket_cap_mb='auto' is refused while the caps are still being timed "
+                               f"(the first {ddp._tuner.iterations} iterations): pass a fixed bucket_cap_mb")
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.ddp._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        src = ddp._find_common_rank(is_last_joiner)
+        ddp._broadcast_state(src=src, buffers=ddp.forward_sync_buffers)
+
+
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism by gradient averaging with communication overlapped with backward.
 
-    Args:
+    Takes native `torch.nn.parallel.DistributedDataParallel`'s arguments, in its
+    positional order; README "Switching from torch DDP" lists what each does here.
+
+    Args (native's):
         module: the model; every rank must build the same one.
-        bucket_cap_mb: bucket size cap in MB (math.inf: one bucket per dtype), or
-            "auto": time a few caps during the first iterations and keep the
-            fastest (portddp.autotune; the choice is in stats()["autotune"]).
-        first_bucket_cap_mb: cap of the first bucket (the last layers' gradients),
-            small so that communication starts early.
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to
-            every rank before each forward.
+        device_ids, output_device: None for a CPU module (native's rule); for a
+            single-device GPU module `[i]` (inputs are moved there).
+        dim: kept for compatibility (single-device modules never scatter).
+        broadcast_buffers: False neither syncs buffers at construction nor before
+            forwards (native's meaning; see forward_sync_buffers).
+        init_sync: False skips the broadcast of rank 0's parameters and buffers at
+            construction (the ranks must then start equal by themselves).
+        process_group: a c10d group other than the default one (transport="c10d").
+        bucket_cap_mb: bucket size cap in MiB (None: 25 with a 1 MiB first bucket;
+            given: every bucket, the first included, unless first_bucket_cap_mb is),
+            math.inf for one bucket, or "auto": time a few caps during the first
+            iterations and keep the fastest (portddp.autotune; stats()["autotune"]).
         find_unused_parameters: parameters that get no gradient on a rank are
             reduced as zeros there; without it such a parameter is an error.
+        check_reduction: deprecated and ignored, as in native.
         gradient_as_bucket_view: `.grad` becomes a view into the bucket buffer
             (no second copy of the gradients, no copy back after the reduction).
-        transport: "c10d" (the default process group, Gloo/NCCL) or "mpi"
-            (mpi4py on a comm thread; needs mpirun).
+        static_graph: the graph is the same every iteration: parameters that get no
+            gradient are allowed (left untouched), and reentrant backward passes
+            (activation checkpointing with use_reentrant=True) are supported.
+        delay_all_reduce_named_params, param_to_hook_all_reduce: these (name,
+            param) pairs leave the buckets and are all-reduced (averaged) together
+            at the end of backward. Both or neither, as native requires.
+        mixed_precision: refused (use a comm hook or torch.autocast).
+        device_mesh: a 1-D DeviceMesh whose group replaces process_group.
+        skip_all_reduce_unused_params: accepted; portddp still reduces zeros for
+            unused parameters, which gives the same numbers.
+        bucket_cap_mb_list: refused (use bucket_cap_mb and first_bucket_cap_mb).
+        batched_grad_copy: accepted (a copying strategy of native's C++ reducer).
+        forward_sync_buffers: sync buffers before forwards (default: broadcast_buffers,
+            i.e. True); unlike broadcast_buffers=False, False still syncs them once
+            at construction.
+
+    Args (portddp's, keyword-only):
+        first_bucket_cap_mb: cap of the first bucket (the last layers' gradients),
+            small so that communication starts early.
+        transport: "c10d" (the process group, Gloo/NCCL) or "mpi" (mpi4py on a
+            comm thread; needs mpirun).
         overlap: False launches every bucket only after backward has finished:
             the no-overlap baseline of the overlap study.
-        process_group: a c10d group other than the default one.
         check_finite: check every local gradient for NaN/Inf as it arrives; if any
             rank finds one, every rank raises naming the parameters and ranks, and
             .grad is left untouched (costs one pass over the gradients).
@@ -102,93 +196,238 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        bucket_cap_mb: float | str = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        broadcast_buffers: bool = True,
+        device_ids=None,
+        output_device=None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group=None,
+        bucket_cap_mb: float | str | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params=None,
+        param_to_hook_all_reduce=None,
+        mixed_precision=None,
+        device_mesh=None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list=None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
+        first_bucket_cap_mb: float | None = None,
         transport: str = "c10d",
         overlap: bool = True,
-        process_group=None,
         check_finite: bool = False,
     ):
         super().__init__()
+        Joinable.__init__(self)
         # Validate everything local before talking to other ranks: every rank
         # sees the same arguments, so every rank raises the same error.
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}: choose one of {TRANSPORTS}")
+        process_group = self._native_arguments(
+            module, device_ids, output_device, process_group, device_mesh, mixed_precision, bucket_cap_mb_list,
+            delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction)
         self._tuner = CapTuner() if isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto" else None
         if self._tuner is not None:
             bucket_cap_mb = self._tuner.first
+        if first_bucket_cap_mb is None:  # native: a small first bucket only when the cap is the default
+            first_bucket_cap_mb = _DEFAULT_FIRST_CAP_MB if bucket_cap_mb is None or self._tuner else bucket_cap_mb
+        if bucket_cap_mb is None:
+            bucket_cap_mb = _DEFAULT_CAP_MB
         cap_bytes(bucket_cap_mb, "bucket_cap_mb")
         cap_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
         self.module = module
+        self.dim = dim
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = first_bucket_cap_mb
-        self.broadcast_buffers = broadcast_buffers
+        if forward_sync_buffers is None:
+            forward_sync_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+            init_sync_buffers = forward_sync_buffers
+        else:
+            init_sync_buffers = True
+        self.forward_sync_buffers = forward_sync_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = bool(static_graph)
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = None
         self.overlap = overlap
         self.transport = transport
         self.check_finite = check_finite
         self.require_backward_grad_sync = True  # no_sync() flips this
+        self.require_forward_param_sync = True  # native's: buffers sync before a forward that follows a synced one
+        self.broadcast_bucket_size = 250 * 1024 * 1024
 
-        # Frozen parameters (requires_grad=False) are not part of DDP at all.
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._module_buffers = list(module.buffers())
-        specs = [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type) for n, p in named]
-        if not specs:
-            raise ValueError("DistributedDataParallel needs a module with at least one parameter that requires grad")
+        self.device = self._params[0].device
+        self.device_type = self.device.type
+        specs = self._specs()
 
         if process_group is None:  # (a custom group's members are the caller's business)
             check_same_config(launch.allgather_object({
                 "bucket_cap_mb": "auto" if self._tuner else bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
                 "transport": transport, "check_finite": bool(check_finite)}))
         self._comm = make_comm(transport, process_group)
+        # What native exposes (scripts pass it to their own collectives); with transport="mpi", the
+        # default c10d group if there is one.
+        self.process_group = process_group if process_group is not None else (
+            dist.distributed_c10d._get_default_group() if dist.is_initialized() else None)
         self.world_size = self._comm.size
         self.rank = self._comm.rank
         self._inv_world = 1.0 / self.world_size
+        self._divide_by_initial_world_size = True
+        self._warn_if_alone()
         self._verify_same_model(specs)
         self._hook = None
         self._hook_state = None
         self._install_plan(plan_buckets(specs, bucket_cap_mb, first_bucket_cap_mb))
         # Ranks start identical: rank 0's parameters and buffers everywhere.
-        if self.world_size > 1:
-            self._broadcast_state()
+        if self.world_size > 1 and init_sync:
+            self._broadcast_state(src=0, buffers=init_sync_buffers)
         self._rebuilt = False
         self._rebuild_order: list[int] | None = None
         self._observed_order: list[int] | None = None  # rank 0's, once the plan was rebuilt
         self._sync = False
         self._expect_grads = False
+        self._finalize_queued = False
+        self._sync_flag = None  # join(): how many ranks sync this iteration (a pending collective)
         self._last_events: IterationEvents | None = None
         self._iterations = 0
-        for i, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                              for i, p in enumerate(self._params)]
 
     # ------------------------------------------------------------------ setup
+    def _native_arguments(self, module, device_ids, output_device, process_group, device_mesh, mixed_precision,
+                          bucket_cap_mb_list, delay_all_reduce_named_params, param_to_hook_all_reduce,
+                          check_reduction):
+        """Native DDP's checks of its own arguments, with native's words where they exist; returns
+        the process group to use (device_mesh's, if one was given)."""
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the "
+                             "same time.")
+        if process_group is not None and device_mesh is not None:
+            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+            process_group = device_mesh.get_group(mesh_dim=0)
+        self.device_mesh = device_mesh
+        if mixed_precision is not None:
+            raise NotImplementedError(
+                "mixed_precision is not supported by portddp.torch.DistributedDataParallel (native's own is a "
+                "private prototype): pass mixed_precision=None and use torch.autocast for the forward, or "
+                "register_comm_hook(None, fp16_compress_hook / bf16_compress_hook) to reduce in half precision")
+        if bucket_cap_mb_list:
+            raise NotImplementedError(
+                f"bucket_cap_mb_list={bucket_cap_mb_list!r} is not supported by portddp: pass bucket_cap_mb=<cap> "
+                "and first_bucket_cap_mb=<first bucket's cap> (keyword-only) instead")
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+                          "Please avoid using it.", FutureWarning, stacklevel=3)
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._delayed = []  # (name, param): reduced together after backward
+        for name, param in delay_all_reduce_named_params or ():
+            self.parameters_to_ignore.add(name)
+            if param.requires_grad:
+                self._delayed.append((name, param))
+        params = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        if not any(p.requires_grad for p in params):
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
+                               "that requires a gradient (and portddp needs at least one in the buckets).")
+        for p in params:
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                raise RuntimeError("Modules with uninitialized parameters can't be used with "
+                                   "`DistributedDataParallel`. Run a dummy forward pass to correctly initialize "
+                                   "the modules")
+            if p.device.type == "meta":
+                raise ValueError("the module has parameters on the meta device (no storage): materialise them "
+                                 "first, e.g. module.to_empty(device='cpu') and initialise, then wrap")
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError("device_ids can only be None or contain a single element.")
+        types = {p.device.type for p in params}
+        if len(types) != 1:
+            raise ValueError("DistributedDataParallel's input module must be on the same type of devices, but "
+                             f"input module parameters locate in {types}.")
+        multi_device = len({p.device for p in params}) > 1
+        if not device_ids or types == {"cpu"} or multi_device:
+            if device_ids or output_device:
+                raise ValueError(
+                    "DistributedDataParallel device_ids and output_device arguments only work with "
+                    "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                    f"{device_ids}, output_device {output_device}, and module parameters "
+                    f"{ {p.device for p in params} }. On CPU pass device_ids=None (or leave it out).")
+            self.device_ids = None
+            self.output_device = None
+        else:
+            index = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
+            self.device_ids = index
+            out = output_device if output_device is not None else device_ids[0]
+            self.output_device = torch.device(out).index if not isinstance(out, int) else out
+        return process_group
+
+    def _specs(self) -> list[ParamSpec]:
+        return [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type)
+                for n, p in zip(self._names, self._params)]
+
+    def _warn_if_alone(self) -> None:
+        """A job of N ranks whose DDP sees a world of 1 trains N independent models."""
+        launched = launch.detect().size
+        if launched > 1 and self.world_size == 1:
+            warnings.warn(
+                f"this job has {launched} ranks ({launch.detect().launcher}), but DistributedDataParallel's "
+                f"{self.transport} group has 1: every rank will train its own model, nothing is averaged. "
+                "Call portddp.init() (or init_process_group with the launcher's world) before wrapping",
+                RuntimeWarning, stacklevel=3)
+
     def _verify_same_model(self, specs: list[ParamSpec]) -> None:
         """Compare every rank's parameter list with rank 0's; name the first difference."""
         everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
         check_same_specs(everyone, "model mismatch across ranks", "parameter", "trainable parameters")
 
-    def _broadcast_state(self) -> None:
-        """Rank 0's parameters (bucket by bucket, after agreeing again) and buffers everywhere.
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Native's older name for forward_sync_buffers."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes (native's attribute)."""
+        return cap_bytes(self.bucket_cap_mb, "bucket_cap_mb")
+
+    def _module_buffers(self) -> list[torch.Tensor]:
+        """Looked up each time, as native does: a module may reassign a buffer."""
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    def _broadcast_state(self, src: int = 0, buffers: bool = True) -> None:
+        """Rank `src`'s parameters (bucket by bucket, after agreeing again) and buffers everywhere.
 
         The same exchange as portddp.jax's broadcast() (see portddp.protocol)."""
         self._verify_same_model(list(self._plan.specs))
-        for bucket in self._plan.buckets:
-            self._comm.broadcast_([self._params[i] for i in bucket.params], src=0)
-        if self._module_buffers:
-            self._comm.broadcast_(self._module_buffers, src=0)
+        with torch.no_grad():
+            for bucket in self._plan.buckets:
+                self._comm.broadcast_([self._params[i] for i in bucket.params], src=src)
+            if self._delayed:
+                self._comm.broadcast_([p for _, p in self._delayed], src=src)
+            module_buffers = self._module_buffers()
+            if buffers and module_buffers:
+                self._comm.broadcast_(module_buffers, src=src)
 
     def _install_plan(self, plan: BucketPlan) -> None:
         """Allocate one flat buffer per bucket and a view of it per parameter."""
         self._plan = plan
-        p0 = self._params[0]
-        self._buffers = [
-            torch.zeros(b.numel, dtype=getattr(torch, b.dtype), device=p0.device) for b in plan.buckets
+        self._bucket_buffers = [
+            torch.zeros(b.numel, dtype=getattr(torch, b.dtype), device=self.device) for b in plan.buckets
         ]
         self._bucket_of = [0] * len(self._params)
         self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
@@ -196,15 +435,38 @@ class DistributedDataParallel(nn.Module):
             for i, off in zip(bucket.params, bucket.offsets):
                 p = self._params[i]
                 self._bucket_of[i] = b
-                self._views[i] = self._buffers[b][off:off + p.numel()].view_as(p)
+                self._views[i] = self._bucket_buffers[b][off:off + p.numel()].view_as(p)
                 if self.gradient_as_bucket_view and p.grad is not None:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
         self._bucket_sizes = [len(b.params) for b in plan.buckets]
-        self._grad_buckets = [
-            GradBucket(b, buf, [self._params[i] for i in plan.buckets[b].params], len(plan.buckets), self._comm)
-            for b, buf in enumerate(self._buffers)
-        ]
+
+    def _grad_bucket(self, b: int, buffer: torch.Tensor) -> GradBucket:
+        params = self._plan.buckets[b].params
+        if buffer is self._bucket_buffers[b]:
+            grads = [self._views[i] for i in params]
+        else:  # a stand-in buffer (join's zeros): views of it
+            grads = [buffer[off:off + self._params[i].numel()].view_as(self._params[i])
+                     for i, off in zip(params, self._plan.buckets[b].offsets)]
+        return GradBucket(b, buffer, [self._params[i] for i in params], grads, len(self._plan.buckets), self._comm)
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.double()`, `.cuda()`, ... reach the module; the buckets follow at the next forward."""
+        super()._apply(fn, recurse)
+        if hasattr(self, "_plan") and [s for s in self._specs()] != list(self._plan.specs):
+            self._replan()
+        return self
+
+    def _replan(self) -> None:
+        """The parameters changed dtype or device: the same plan (same order and caps) for the new ones."""
+        specs = self._specs()
+        self.device = self._params[0].device
+        self.device_type = self.device.type
+        plan = plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
+        if self._observed_order is not None:
+            plan = rebuild_plan(plan, self._observed_order, self.bucket_cap_mb, self.first_bucket_cap_mb)
+        self._install_plan(plan)
+        self._verify_pending = True  # every rank must have made the same change: checked at the next forward
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -215,7 +477,8 @@ class DistributedDataParallel(nn.Module):
         """Reduce each bucket with `hook(state, bucket) -> Future` (see portddp.torch.hooks).
 
         Call once, before the first backward. Gradients then reach the bucket
-        undivided; the hook divides (portddp.torch.hooks does, before summing)."""
+        undivided; the hook divides (portddp.torch.hooks does, before summing).
+        PyTorch's own hooks (torch.distributed.algorithms.ddp_comm_hooks) work too."""
         if self._hook is not None:
             raise RuntimeError("a comm hook is already registered; register_comm_hook can be called only once")
         if self._iterations:
@@ -239,35 +502,111 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Train on uneven inputs: `with ddp.join(): for batch in my_batches: ...` (native's API).
+
+        A rank that runs out of batches keeps issuing the collectives of the
+        others' iterations (zero gradients) until all have joined; then every
+        rank takes the model of the last rank to join. Gradients are divided by
+        the initial world size, or with divide_by_initial_world_size=False by
+        the number of ranks still training. throw_on_early_termination=True
+        makes every rank raise as soon as one runs out instead."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        if self.process_group is None:
+            raise RuntimeError("join() notifies the ranks over c10d, and no c10d process group exists: call "
+                               "portddp.init() (it creates one under mpirun too) before wrapping the model")
+        return self.process_group
+
+    def _set_static_graph(self) -> None:
+        """Native's private switch for static_graph=True (some trainers call it after wrapping)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+        self.static_graph = True
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore) -> None:
+        """Parameters and buffers (by name) DDP leaves alone; call before wrapping (native's API)."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
     # ---------------------------------------------------------------- forward
-    def forward(self, *args, **kwargs):
+    def forward(self, *inputs, **kwargs):
+        inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+        return self._post_forward(self.module(*inputs, **kwargs))
+
+    @torch._dynamo.disable
+    def _pre_forward(self, *inputs, **kwargs):
+        """Everything before the module runs (kept out of torch.compile's graph: it talks to other ranks)."""
         start = _now()
         self._check_parameters_unchanged()
-        if self._tuner is not None and not self._tuner.done and torch.is_grad_enabled() \
-                and self.require_backward_grad_sync:
-            self._autotune(start)
-        if self._rebuild_order is not None:
-            self._rebuild()
-        if self.broadcast_buffers and self._module_buffers and self.world_size > 1:
-            self._comm.broadcast_(self._module_buffers, src=0)
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if grad_sync:
+            self._check_prior_reduction_finished()
+            if self._tuner is not None and not self._tuner.done:
+                self._autotune(start)
+            if self._rebuild_order is not None:
+                self._rebuild()
+        Join.notify_join_context(self)  # inside `with ddp.join()` only: "I still have inputs" (c10d)
+        if self._will_sync_buffers():
+            self._sync_buffers()
+        if self._join_config.enable:
+            self._sync_flag = self._exchange_sync_flag(grad_sync)
         # Like native DDP, whether the coming backward synchronises is decided
         # by the forward: a forward inside no_sync() gives a local backward.
-        grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
-            self._sync = self.require_backward_grad_sync
-            if self._sync:
+        if torch.is_grad_enabled():
+            self._sync = grad_sync
+            if grad_sync:
                 self._begin_iteration(start)
-        out = self.module(*args, **kwargs)
-        if grad_enabled and self._sync:
+        if self.device_ids:
+            device = torch.device(self.device_type, self.device_ids[0])
+            move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
+            inputs, kwargs = torch.utils._pytree.tree_map(move, (inputs, kwargs))
+        return inputs, kwargs
+
+    @torch._dynamo.disable
+    def _post_forward(self, output):
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        # Native's rule: buffers are synced before a forward only if the one before it synchronised.
+        self.require_forward_param_sync = grad_sync
+        if grad_sync:
             self._events.forward_end_ns = _now()
-        return out
+            if self.static_graph:
+                output = self._through_sink(output)
+        return output
+
+    def _through_sink(self, output):
+        leaves, spec = torch.utils._pytree.tree_flatten(output)
+        idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return output
+        passed = _StaticGraphSink.apply(weakref.ref(self), *[leaves[k] for k in idx])
+        for k, t in zip(idx, passed):
+            leaves[k] = t
+        return torch.utils._pytree.tree_unflatten(leaves, spec)
 
     def _check_parameters_unchanged(self) -> None:
         """A model whose trainable parameters changed after wrapping would train them un-averaged."""
-        now = [p for p in self.module.parameters() if p.requires_grad]
+        if getattr(self, "_verify_pending", False):  # .to()/.double() since the last forward: same on every rank?
+            self._verify_same_model(list(self._plan.specs))
+            self._verify_pending = False
+        now = [p for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
+            if any(p.dtype != v.dtype or p.device != v.device for p, v in zip(self._params, self._views)):
+                self._replan()  # a dtype/device change that bypassed Module._apply (e.g. p.data = ...)
+                self._check_parameters_unchanged()
             return
-        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         added = [n for n in names if n not in self._names]
         gone = [n for n in self._names if n not in names]
         raise RuntimeError(
@@ -277,8 +616,50 @@ class DistributedDataParallel(nn.Module):
             "or wrap the new model in a new DistributedDataParallel"
         )
 
+    def _check_prior_reduction_finished(self) -> None:
+        """Native's rule: a synchronised forward must be followed by its backward before the next one."""
+        if not self._expect_grads:
+            return
+        self._expect_grads = False
+        pending = [self._names[i] for i, seen in enumerate(self._seen) if not seen]
+        raise RuntimeError(
+            f"Expected to have finished reduction in the prior iteration before starting a new one: rank "
+            f"{self.rank} ran a forward (grad enabled, outside no_sync) without its backward, and the other ranks "
+            f"would now average this rank's step with their next one. Parameters still waiting: "
+            f"{pending[:5]}{' ...' if len(pending) > 5 else ''}. Call backward() on every synchronised forward's "
+            "output, run forwards you do not train on under torch.no_grad() or on ddp.module, or pass "
+            "find_unused_parameters=True if some outputs are not used in the loss"
+        )
+
+    def _will_sync_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers())
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers everywhere (in join(): those of the highest rank still training)."""
+        src = self._find_common_rank(True) if self._join_config.enable else 0
+        if self.world_size > 1:
+            with torch.no_grad():
+                self._comm.broadcast_(self._module_buffers(), src=src)
+
+    def _find_common_rank(self, candidate: bool) -> int:
+        """The highest rank for which `candidate` holds (a collective; native's tie-break)."""
+        votes = torch.zeros(self.world_size, dtype=torch.int32)
+        votes[self.rank] = int(candidate)
+        if self.world_size > 1:
+            votes = self._comm.allreduce(votes).wait()
+        chosen = [r for r, v in enumerate(votes.tolist()) if v]
+        if not chosen:
+            raise RuntimeError("join(): no rank qualified as the source of the model (a portddp bug)")
+        return chosen[-1]
+
+    def _exchange_sync_flag(self, sync: bool):
+        """join(): every rank says whether it synchronises this iteration (joined ranks: no); the sum
+        is the number of ranks that contribute gradients."""
+        flag = torch.tensor([int(sync)], dtype=torch.int32)
+        return self._comm.allreduce(flag) if self.world_size > 1 else _done(flag)
+
     def _begin_iteration(self, start_ns: int) -> None:
-        n_buckets = len(self._buffers)
+        n_buckets = len(self._bucket_buffers)
         self._pending = list(self._bucket_sizes)  # params still to arrive, per bucket
         self._next_launch = 0  # buckets launch strictly in plan order
         self._futures: list = [None] * n_buckets
@@ -287,10 +668,16 @@ class DistributedDataParallel(nn.Module):
         self._ready_order: list[int] = []
         self._finalize_queued = False
         self._expect_grads = True
+        watchdog.step_started()
+        self._contributors = self.world_size
+        if self._sync_flag is not None and not self._divide_by_initial_world_size:
+            # join(divide_by_initial_world_size=False): the mean over the ranks still training.
+            self._contributors = int(self._sync_flag.wait()[0])
+        self._inv_world = 1.0 / self._contributors
         self._events = IterationEvents(
             rank=self.rank,
             forward_start_ns=start_ns,
-            buckets=[BucketEvents(b, buf.numel() * buf.element_size()) for b, buf in enumerate(self._buffers)],
+            buckets=[BucketEvents(b, buf.numel() * buf.element_size()) for b, buf in enumerate(self._bucket_buffers)],
         )
 
     # --------------------------------------------------------------- backward
@@ -300,6 +687,12 @@ class DistributedDataParallel(nn.Module):
                 self._mark_ready(i, param)
 
         return hook
+
+    def _queue_finalize(self) -> None:
+        if not self._finalize_queued:
+            # Runs once autograd has finished the whole graph.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            self._finalize_queued = True
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
         now = _now()
@@ -313,10 +706,7 @@ class DistributedDataParallel(nn.Module):
                 f"parameter {self._names[i]!r} received its gradient twice in one backward pass; "
                 "DistributedDataParallel supports one gradient per parameter per iteration"
             )
-        if not self._finalize_queued:
-            # Runs once autograd has finished the whole graph.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-            self._finalize_queued = True
+        self._queue_finalize()
         self._seen[i] = 1
         self._ready_order.append(i)
         self._events.backward_end_ns = now
@@ -351,23 +741,26 @@ class DistributedDataParallel(nn.Module):
             param.grad = view
 
     def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self._buffers) and self._pending[self._next_launch] == 0:
+        while self._next_launch < len(self._bucket_buffers) and self._pending[self._next_launch] == 0:
             self._launch(self._next_launch)
             self._next_launch += 1
 
     def _launch(self, b: int) -> None:
         ev = self._events.buckets[b]
         ev.launch_ns = _now()
-        if self._hook is None:
-            fut = self._comm.allreduce(self._buffers[b])
-        else:
-            fut = self._hook(self._hook_state, self._grad_buckets[b])
+        fut = self._reduce_bucket(b, self._bucket_buffers[b])
 
         def record_done(_fut, ev=ev):
             ev.done_ns = _now()
 
         fut.add_done_callback(record_done)
         self._futures[b] = fut
+
+    def _reduce_bucket(self, b: int, buffer: torch.Tensor) -> torch.futures.Future:
+        if self._hook is None:
+            return self._comm.allreduce(buffer)
+        # A new GradBucket each time, as native hands out: hooks may set_buffer() on it.
+        return self._hook(self._hook_state, self._grad_bucket(b, buffer))
 
     def _finalize_backward(self) -> None:
         """End of backward: launch the rest, wait in order, agree on unused params, write .grad."""
@@ -379,35 +772,68 @@ class DistributedDataParallel(nn.Module):
             self._views[i].zero_()
             self._pending[self._bucket_of[i]] -= 1
         self._launch_ready_buckets()
+        # A comm hook may issue more collectives from its futures' callbacks (PowerSGD does): they
+        # must all be out before the ones below, or ranks would issue them in different orders.
+        early = self._hook is None
+        delayed = self._launch_delayed() if early else None
         # One more small collective after the buckets: how many ranks produced
         # each gradient. It is what lets every rank -- not only the one missing
         # a gradient -- fail together instead of hanging.
         # With check_finite the same collective also counts, per parameter, the ranks whose
         # gradient held a NaN or Inf (a second half of the vector).
         flags = bytes(self._seen) + (bytes(self._nonfinite) if self.check_finite else b"")
-        used = None
-        if self.world_size > 1:
-            used = torch.frombuffer(bytearray(flags), dtype=torch.uint8).to(torch.int32)
-            used_fut = self._comm.allreduce(used)
+        used_fut = self._exchange_used(flags) if early else None
         for b, fut in enumerate(self._futures):
-            result = fut.wait()
-            if result.data_ptr() != self._buffers[b].data_ptr():
-                self._buffers[b].copy_(result)
-        totals = used_fut.wait().tolist() if used is not None else list(flags)
+            result = _tensor_of(fut.wait())
+            if result.data_ptr() != self._bucket_buffers[b].data_ptr():
+                self._bucket_buffers[b].copy_(result)
+        if not early:
+            delayed, used_fut = self._launch_delayed(), self._exchange_used(flags)
+        if delayed is not None:
+            self._write_delayed(delayed)
+        totals = used_fut.wait().tolist()
         counts, nonfinite = totals[:len(self._params)], totals[len(self._params):]
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
+        watchdog.step_finished()
+        if self._sync_flag is not None:
+            self._contributors = int(self._sync_flag.wait()[0])
+            self._sync_flag = None
         if not self._rebuilt and self._rebuild_order is None:
             self._rebuild_order = self._ready_order
-        if not self.find_unused_parameters and min(counts) < self.world_size:
+        if not (self.find_unused_parameters or self.static_graph) and min(counts) < self._contributors:
             self._raise_unused(counts)
         if any(nonfinite):
             self._raise_nonfinite()
         self._write_grads(counts)
 
+    def _exchange_used(self, flags: bytes):
+        used = torch.frombuffer(bytearray(flags), dtype=torch.uint8).to(torch.int32)
+        return self._comm.allreduce(used) if self.world_size > 1 else _done(used)
+
+    def _launch_delayed(self):
+        """delay_all_reduce_named_params: one flat all-reduce of their (divided) gradients."""
+        if not self._delayed:
+            return None
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for _, p in self._delayed]).mul_(self._inv_world)
+        return flat, self._comm.allreduce(flat)
+
+    def _write_delayed(self, delayed) -> None:
+        flat, fut = delayed
+        fut.wait()
+        offset = 0
+        for _, p in self._delayed:
+            reduced = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)
+
     def _raise_unused(self, counts: list[int]) -> None:
-        raise unused_parameters_error(self._names, counts, self.world_size, self.rank, self._seen)
+        raise unused_parameters_error(self._names, counts, self._contributors, self.rank, self._seen)
 
     def _raise_nonfinite(self) -> None:
         mine = [self._names[i] for i, bad in enumerate(self._nonfinite) if bad]
@@ -427,10 +853,35 @@ class DistributedDataParallel(nn.Module):
             else:
                 p.grad.copy_(view)
 
+    # ------------------------------------------------------------------ join
+    def _shadow_iteration(self) -> None:
+        """join(): this rank has no inputs left; issue the collectives of the others' forward
+        and backward (in the same order as _pre_forward and _finalize_backward do)."""
+        if self._rebuild_order is not None:
+            self._rebuild()
+        if self._will_sync_buffers():
+            self._sync_buffers()
+        contributors = int(self._exchange_sync_flag(False).wait()[0])
+        self.require_forward_param_sync = contributors > 0
+        if contributors == 0:
+            return  # the others run a local (no_sync) or no_grad forward
+        zeros = [torch.zeros_like(buf) for buf in self._bucket_buffers]
+        futures = [self._reduce_bucket(b, z) for b, z in enumerate(zeros)]
+        if self._hook is not None:  # the order of _finalize_backward
+            futures = [fut.wait() for fut in futures] and []
+        if self._delayed:
+            futures.append(self._comm.allreduce(torch.zeros(sum(p.numel() for _, p in self._delayed),
+                                                            dtype=self._delayed[0][1].dtype)))
+        futures.append(self._exchange_used(bytes(len(self._params) * (2 if self.check_finite else 1))))
+        for fut in futures:
+            fut.wait()
+
+    # ---------------------------------------------------------- rebuild/autotune
     def _rebuild(self) -> None:
         """Re-plan once from the order gradients really arrived in (rank 0's, broadcast)."""
         order = torch.full((len(self._params),), -1, dtype=torch.int64)
-        order[: len(self._rebuild_order)] = torch.tensor(self._rebuild_order, dtype=torch.int64)
+        if self._rebuild_order is not None:
+            order[: len(self._rebuild_order)] = torch.tensor(self._rebuild_order, dtype=torch.int64)
         if self.world_size > 1:
             self._comm.broadcast_([order], src=0)
         self._observed_order = [i for i in order.tolist() if i >= 0]
@@ -458,3 +909,16 @@ class DistributedDataParallel(nn.Module):
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra
+
+
+def _tensor_of(value) -> torch.Tensor:
+    """A comm hook's result: native accepts a tensor or a list holding one (c10d futures give lists)."""
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    return value
+
+
+def _done(value) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut

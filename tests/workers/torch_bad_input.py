@@ -92,6 +92,27 @@ def run(case: str, transport: str) -> None:
                                       check_finite=True)
         x = torch.full((2, 4), float("nan") if last else 1.0)
         ddp(x).sum().backward()
+    elif case == "device_ids_on_cpu":
+        DistributedDataParallel(nn.Linear(4, 4), [0], transport=transport)
+    elif case == "mixed_precision":
+        DistributedDataParallel(nn.Linear(4, 4), mixed_precision=object(), transport=transport)
+    elif case == "bucket_cap_mb_list":
+        DistributedDataParallel(nn.Linear(4, 4), bucket_cap_mb_list=[1, 25], transport=transport)
+    elif case == "delay_without_hook_param":
+        lin = nn.Linear(4, 4)
+        DistributedDataParallel(lin, delay_all_reduce_named_params=[("weight", lin.weight)], transport=transport)
+    elif case == "meta_device":
+        DistributedDataParallel(nn.Linear(4, 4, device="meta"), transport=transport)
+    elif case == "forward_without_backward":
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        for step in range(2):
+            loss = ddp(torch.ones(2, 4)).sum()
+            if not (last and step == 0):  # the last rank skips one backward ("no valid targets: continue")
+                loss.backward()
+    elif case == "one_batch_fewer":  # no join(): the last rank's loop ends one batch early
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        for _ in range(2 if last else 3):
+            ddp(torch.ones(2, 4)).sum().backward()
     else:
         raise SystemExit(f"unknown case {case!r}")
 

@@ -1,0 +1,61 @@
+"""What lets a script written for torchrun and native DDP run under mpirun with one changed line.
+
+Importing `portddp.torch` under mpirun
+
+* sets torchrun's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from the MPI
+  launcher's variables, so a script that decides "am I distributed?" from RANK
+  takes its distributed path instead of silently training one model per rank;
+* wraps `torch.distributed.init_process_group` so that the script's own call
+  (a) under mpirun without MASTER_ADDR/MASTER_PORT gets them from rank 0 over
+  MPI first (every rank calls it at the same point, so the exchange is safe),
+  and (b) after `portddp.init()` has created the default group adopts that
+  group instead of failing with "trying to initialize the default process
+  group twice". Any other call goes to PyTorch unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from portddp import launch
+
+__all__ = ["install"]
+
+_log = logging.getLogger("portddp")
+
+
+def install() -> None:
+    """Export torchrun's rank variables under mpirun and wrap init_process_group (once)."""
+    launch.export_torchrun_env(rendezvous=False)
+    if getattr(dist.init_process_group, "__portddp__", False):
+        return
+    wrapped = _adopting(c10d.init_process_group)
+    dist.init_process_group = wrapped
+    c10d.init_process_group = wrapped
+
+
+def _adopting(original):
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        if dist.is_initialized() and launch.MADE_C10D:
+            size, rank = kwargs.get("world_size", -1), kwargs.get("rank", -1)
+            if size not in (-1, None, dist.get_world_size()) or rank not in (-1, None, dist.get_rank()):
+                raise ValueError(
+                    f"init_process_group(world_size={size}, rank={rank}) after portddp.init() created a group "
+                    f"with rank {dist.get_rank()} of {dist.get_world_size()}: drop the call or the arguments")
+            _log.info("init_process_group: adopting the default group portddp.init() created (rank %d of %d)",
+                      dist.get_rank(), dist.get_world_size())
+            return None
+        init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+        if (launch.detect().launcher == "mpirun" and init_method in (None, "env://") and kwargs.get("store") is None
+                and "MASTER_PORT" not in os.environ):
+            launch.export_torchrun_env(rendezvous=True)
+        return original(*args, **kwargs)
+
+    init_process_group.__portddp__ = True
+    return init_process_group

@@ -1,0 +1,109 @@
+"""portddp.torch as a drop-in for native DDP: training-script patterns compared with native,
+a torchrun-style script under mpirun, and native's misuse errors.
+
+tests/workers/torch_dropin.py runs every pattern under `mpirun -n K` on both
+DDPs; each rank writes one JSON line per scenario, asserted here."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import mpi
+
+SCENARIOS = [
+    "native_signature", "double_after_wrap", "compile_after", "compile_before", "accumulation", "amp",
+    "join", "join_effective_world", "powersgd", "powersgd_rank2_no_warm_start", "fp16_wrapper", "native_fp16",
+    "buffers_b1_u0", "buffers_b1_u1", "buffers_b0_u0", "buffers_b0_u1", "static_graph_checkpoint",
+    "init_sync_false", "forward_sync_buffers_false", "delay_all_reduce",
+]
+
+
+@pytest.fixture(scope="module", params=[(2, "c10d"), (2, "mpi"), (3, "mpi")], ids=lambda p: f"n{p[0]}-{p[1]}")
+def results(request, tmp_path_factory):
+    n, transport = request.param
+    out = tmp_path_factory.mktemp(f"dropin_n{n}_{transport}")
+    return n, mpi.collect(n, "tests.workers.torch_dropin", out, transport), transport
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_trains_exactly_like_native_ddp(results, scenario):
+    """Bitwise at n=2 (a sum of two is order-free); at n=3 the ring may add in another order: 2e-5,
+    or for sums in float16 a few of its ulps (2**-10 relative) on these O(1) weights."""
+    n, rows, transport = results
+    _, got = mpi.each_rank((n, rows), f"{scenario}/{transport}")
+    bound = 4 * 2.0**-10 if "fp16" in scenario else 2e-5
+    for row in got:
+        assert row["bitwise"] if n == 2 else row["max_diff"] <= bound, row
+
+
+def test_native_attributes_and_module_interface(results):
+    n, rows, transport = results
+    _, sig = mpi.each_rank((n, rows), f"native_signature/{transport}")
+    for row in sig:
+        assert all(native == ours for native, ours in row["attrs"].values()), row["attrs"]
+        assert row["same_group"], row
+    _, mod = mpi.each_rank((n, rows), f"module_interface/{transport}")
+    for row in mod:
+        assert row["keys_equal"] and row["names_equal"] and row["buffers_equal"], row
+        assert row["eval_reaches"] and row["loaded"], row
+    _, dbl = mpi.each_rank((n, rows), f"double_after_wrap/{transport}")
+    assert all(row["bucket_dtypes"] == ["float64"] for row in dbl), dbl
+
+
+def test_join_throw_on_early_termination_raises_on_every_rank(results):
+    n, rows, transport = results
+    _, got = mpi.each_rank((n, rows), f"join_throw/{transport}")
+    assert re.search("exhausted all inputs", got[0]["message"]), got[0]  # rank 0 ran out first
+    for row in got[1:]:
+        assert re.search("Detected at least one rank that exhausted inputs", row["message"]), row
+
+
+@pytest.mark.parametrize("portddp_init", [False, True], ids=["own-init", "portddp-init-then-own"])
+def test_torchrun_style_script_under_mpirun(tmp_path, portddp_init):
+    """RANK/LOCAL_RANK/WORLD_SIZE set, the script's own init_process_group works (or adopts
+    portddp.init()'s group), and it trains bitwise like native DDP."""
+    proc = mpi.run(2, "tests.workers.torchrun_style", *(["--portddp-init"] if portddp_init else []),
+                   env={"PORTDDP_RESULTS": str(tmp_path)}, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for r in range(2):
+        row = __import__("json").loads((tmp_path / f"rank{r}.jsonl").read_text())
+        assert row["distributed"] and row["world"] == 2 and row["local_rank"] == r and row["bitwise"], row
+
+
+NATIVE_ERRORS = [
+    ("device_ids_on_cpu", r"device_ids and output_device arguments only work with .* but got device_ids \[0\].*"
+                          r"On CPU pass device_ids=None"),
+    ("mixed_precision", r"mixed_precision is not supported by portddp.*torch\.autocast"),
+    ("bucket_cap_mb_list", r"bucket_cap_mb_list=\[1, 25\] is not supported by portddp: pass bucket_cap_mb="),
+    ("delay_without_hook_param", r"delay_all_reduce_named_params and param_to_hook_all_reduce need to be set"),
+    ("meta_device", r"parameters on the meta device .* module\.to_empty"),
+]
+
+
+@pytest.mark.parametrize("case,pattern", NATIVE_ERRORS, ids=[c for c, _ in NATIVE_ERRORS])
+def test_native_argument_errors_on_every_rank(case, pattern):
+    proc = mpi.run(2, "tests.workers.torch_bad_input", case, "c10d", timeout=120)
+    mpi.errors_on_every_rank(proc, 2, pattern)
+
+
+@pytest.mark.parametrize("transport", ["c10d", "mpi"])
+def test_a_forward_without_its_backward_is_refused_and_stops_the_others(transport):
+    """Native's "Expected to have finished reduction in the prior iteration" on the rank that skipped
+    its backward; the rank waiting for it is stopped by the watchdog, naming it, within seconds."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "forward_without_backward", transport, timeout=60)
+    assert proc.returncode != 0
+    assert re.search(r"PORTDDP_ERROR rank=1 RuntimeError: Expected to have finished reduction in the prior "
+                     r"iteration.*Call backward\(\)", proc.stdout), proc.stdout[-2000:]
+    assert "rank 1 (pid" in proc.stderr and "rank 0 exits now (code 70)" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("transport", ["c10d", "mpi"])
+def test_a_rank_that_stops_one_batch_early_stops_every_rank_naming_it(transport):
+    proc = mpi.run(3, "tests.workers.torch_bad_input", "one_batch_fewer", transport, timeout=60)
+    assert proc.returncode != 0
+    for r in (0, 1):
+        assert re.search(rf"rank 2 \(pid \d+ on .*\) left without an error .* after 2 synchronised iteration\(s\), "
+                         rf"while this rank is in iteration 3.*ddp\.join\(\).*; rank {r} exits now \(code 70\)",
+                         proc.stderr), proc.stderr[-3000:]
