@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -69,47 +70,115 @@ def _reduced(ddp, grads):
     return jax.tree.unflatten(treedef, ddp.psum_buckets(leaves, DATA_AXIS))
 
 
-def make_step(ddp, loss_fn):
-    """(params, batch) -> (loss, mean grads) with XLA scheduling the bucket psums."""
+def _key_impls(tree) -> tuple:
+    """Per leaf of `tree`: the PRNG implementation of a typed key array, else None (hashable)."""
+    return tuple(jax.random.key_impl(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else None
+                 for x in jax.tree.leaves(tree))
 
-    def per_shard(params, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+
+def _keys_as_data(tree, impls: tuple):
+    """Typed PRNG keys -> their uint32 data, so they can cross process-sharded arrays and pmap."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [x if i is None else jax.random.key_data(x) for x, i in zip(leaves, impls)])
+
+
+def _data_as_keys(tree, impls: tuple):
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [x if i is None else jax.random.wrap_key_data(x, impl=i)
+                                        for x, i in zip(leaves, impls)])
+
+
+def make_step(ddp, fn):
+    """`(static, params, state, batch) -> (loss, aux, new_state, mean grads)` with XLA
+    scheduling the bucket psums, for `fn(static, params, state, batch) -> (loss, (aux, new_state))`
+    (see DistributedDataParallel._grad_step). `state` is per rank: "compiled" passes it as
+    one row per process, and with broadcast_buffers its buffers (`state[0]`) become rank 0's
+    by an all_gather inside the program; "pmap" hands every device the process's state and
+    keeps the first device's result (one process: its buffers are rank 0's already)."""
+
+    def per_shard(static, impls, params, state, batch):
+        if ddp.strategy == "compiled":
+            state = jax.tree.map(lambda x: x[0], state)  # this process's row
+        state = _data_as_keys(state, impls)
+        if ddp.strategy == "compiled" and state and ddp.broadcast_buffers:
+            state = (jax.tree.map(lambda x: jax.lax.all_gather(x, DATA_AXIS)[0], state[0]), *state[1:])
+        (loss, (aux, new_state)), grads = jax.value_and_grad(
+            lambda p: fn(static, p, state, batch), has_aux=True)(params)
+        if jax.tree.structure(new_state) != jax.tree.structure(state) or _key_impls(new_state) != impls:
+            raise ValueError("the step changed the structure of the model's state (a Variable added or removed, "
+                             "or an RNG key replaced by another kind): it must keep the same structure")
+        new_state = _keys_as_data(new_state, impls)
         if ddp.strategy == "pmap":
-            return jax.lax.pmean(loss, DATA_AXIS), _reduced(ddp, grads)
-        return loss[None], _reduced(ddp, grads)
+            return jax.lax.pmean(loss, DATA_AXIS), aux, new_state, _reduced(ddp, grads)
+        rows = jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, aux, new_state))
+        return (*rows, _reduced(ddp, grads))
+
+    programs: dict = {}  # per (static, impls): the compiled program
 
     if ddp.strategy == "pmap":
-        fn = jax.pmap(per_shard, axis_name=DATA_AXIS, in_axes=(None, 0),
-                      devices=jax.local_devices()[: ddp.world_size])
-
-        def step(params, batch):
+        def step(static, params, state, batch):
+            state = () if state is None else state
+            impls = _key_impls(state)
+            fn_ = programs.get((static, impls))
+            if fn_ is None:
+                # Params and state in one unmapped argument: jax.pmap misaligns in_axes after an
+                # argument that is an empty pytree (the state of a plain pytree's step).
+                fn_ = programs[static, impls] = jax.pmap(
+                    lambda ps, b: per_shard(static, impls, *ps, b), axis_name=DATA_AXIS,
+                    in_axes=(None, 0), devices=jax.local_devices()[: ddp.world_size])
             split = _split_for_devices(batch, ddp.world_size)
+            state_data = _keys_as_data(state, impls)
             if not ddp._hlo:
-                ddp._hlo = hlo_facts(fn.lower(params, split).compile().as_text())
-            loss, grads = fn(params, split)
-            return loss[0], jax.tree.map(lambda g: g[0], grads)
+                ddp._hlo = hlo_facts(fn_.lower((params, state_data), split).compile().as_text())
+            loss, aux, new_state, grads = fn_((params, state_data), split)
+            first = lambda tree: jax.tree.map(lambda g: g[0], tree)  # noqa: E731
+            return loss[0], first(aux), _data_as_keys(first(new_state), impls), first(grads)
 
         return step
 
     devices, mine = process_devices(ddp.world_size)
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
-    # check_vma=False: with it, JAX would psum the gradients of the replicated
-    # params by itself; we want exactly one psum per bucket, ours.
-    fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P(DATA_AXIS)),
-                               out_specs=(P(DATA_AXIS), P()), check_vma=False))
 
-    def step(params, batch):
+    def step(static, params, state, batch):
+        state = () if state is None else state
+        impls = _key_impls(state)
+        fn_ = programs.get((static, impls))
+        if fn_ is None:
+            # check_vma=False: with it, JAX would psum the gradients of the replicated
+            # params by itself; we want exactly one psum per bucket, ours.
+            fn_ = programs[static, impls] = jax.jit(jax.shard_map(
+                lambda p, s, b: per_shard(static, impls, p, s, b), mesh=mesh,
+                in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)), out_specs=(P(DATA_AXIS),) * 3 + (P(),),
+                check_vma=False))
         # Every process holds the same params: together they are one replicated global array.
         gparams = jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
             np.shape(x), replicated, [jax.device_put(x, mine)]), params)
-        gbatch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharded, np.asarray(x)), batch)
+        gbatch = jax.tree.map(lambda x: _process_rows(sharded, x, "batch"), batch)
+        gstate = jax.tree.map(lambda x: _process_rows(sharded, np.asarray(x)[None], "state"),
+                              _keys_as_data(state, impls))
         if not ddp._hlo:
-            ddp._hlo = hlo_facts(fn.lower(gparams, gbatch).compile().as_text())
-        loss, grads = fn(gparams, gbatch)
-        return loss.addressable_data(0)[0], jax.tree.map(lambda g: g.addressable_data(0), grads)
+            ddp._hlo = hlo_facts(fn_.lower(gparams, gstate, gbatch).compile().as_text())
+        loss, aux, new_state, grads = fn_(gparams, gstate, gbatch)
+        mine_ = lambda tree: jax.tree.map(lambda g: g.addressable_data(0)[0], tree)  # noqa: E731
+        return (loss.addressable_data(0)[0], mine_(aux), _data_as_keys(mine_(new_state), impls),
+                jax.tree.map(lambda g: g.addressable_data(0), grads))
 
     return step
+
+
+def _process_rows(sharding, x, what: str):
+    """This process's rows of a global array split over the processes along axis 0."""
+    if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        raise ValueError(f"a {what} leaf is a JAX PRNG key: strategy='compiled' splits {what} leaves along their "
+                         "first axis over the processes, which a key cannot be. Keep RNG state in the model "
+                         "(nnx.Rngs, carried per rank by nnx_value_and_grad)")
+    x = np.asarray(x)
+    if x.ndim == 0:
+        raise ValueError(f"strategy='compiled' splits every {what} leaf along its first axis over the processes, "
+                         f"but a {what} leaf is a scalar ({x.dtype}): give it a leading batch axis, or keep "
+                         "per-step constants (and RNG keys) out of the batch -- e.g. RNG state in the model")
+    return jax.make_array_from_process_local_data(sharding, x)
 
 
 def make_reduce(ddp):

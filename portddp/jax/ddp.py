@@ -12,16 +12,28 @@ Mirrors portddp/torch/ddp.py. What JAX forces to differ:
   no per-parameter counting.
 * Gradients are values, not `.grad` fields: `value_and_grad` returns them after
   waiting for every bucket, in the input pytree structure.
-* Every parameter gets a gradient (zeros if unused), so there is no
-  `find_unused_parameters`; `sync=False` plays the role of `no_sync()`.
+* Every parameter gets a gradient, zeros if the loss does not use it (as
+  `jax.grad` gives), so there is no `find_unused_parameters`. JAX never runs
+  the backward rule of a tap whose outputs the loss ignores; such buckets are
+  found when the step is traced, packed as zeros when the iteration opens and
+  launched in plan order like any other, so every rank issues the same
+  all-reduces even when a leaf is used on some ranks only.
+  `sync=False` plays the role of `no_sync()`.
 * No `gradient_as_bucket_view` (gradients are fresh arrays, there is no
-  `.grad` to alias) and no `broadcast_buffers` (a parameter pytree has no
-  buffers: non-trainable state stays with the caller).
+  `.grad` to alias). Buffers exist only for Flax NNX models
+  (`nnx_value_and_grad`, portddp/jax/flax_nnx.py): every non-Param state that
+  is not RNG state (BatchNorm's BatchStat, plain arrays); with
+  `broadcast_buffers=True` rank 0's are broadcast before each synchronised
+  forward, as portddp.torch does. RNG state stays per rank, as torch's
+  generators do.
 * No check that the model changed after wrapping (portddp.torch's forward has
   one): the pytree comes with every call, and a different structure, shape
   or dtype is refused where it is flattened.
 * `check_finite` needs strategy="hooked": only there do gradients pass
   through the host before they are reduced.
+* Only strategy="hooked" can be traced into the caller's own `jax.jit`
+  (its collectives are host callbacks); "compiled" and "pmap" are compiled
+  programs over several devices of their own and say so if called under jit.
 
 strategy="hooked" is the above. strategy="compiled" and strategy="pmap" leave
 the scheduling to XLA: one psum per bucket inside the compiled step
@@ -43,7 +55,7 @@ from jax.experimental import io_callback
 from portddp import launch
 from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
-from portddp.jax import compiled
+from portddp.jax import compiled, flax_nnx
 from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import get_transport
@@ -105,13 +117,18 @@ class DistributedDataParallel:
             registration order: the PyTorch twin's names and layout, for jobs
             that mix frameworks.
         pmap_devices: strategy="pmap" only: how many local devices (default all).
+        broadcast_buffers: Flax NNX models only (nnx_value_and_grad): rank 0's buffers (every
+            non-Param, non-RNG state, e.g. BatchStat) replace each rank's before every synchronised
+            forward, as in PyTorch DDP. A plain pytree has no buffers.
         check_finite: (hooked) check every local gradient for NaN/Inf as XLA hands it over; if
             any rank finds one, every rank raises naming the parameters and ranks.
     """
 
     def __init__(self, params, bucket_cap_mb: float | str = 25.0, first_bucket_cap_mb: float = 1.0,
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
-                 canonical=None, pmap_devices: int | None = None, check_finite: bool = False):
+                 canonical=None, pmap_devices: int | None = None, check_finite: bool = False,
+                 broadcast_buffers: bool = True):
+        params = flax_nnx.params_of(params)  # an nnx.Module: its nnx.Param state
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
         if transport not in TRANSPORTS:
@@ -128,6 +145,7 @@ class DistributedDataParallel:
         cap_bytes(bucket_cap_mb, "bucket_cap_mb")
         cap_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
         self.strategy, self.transport, self.overlap = strategy, transport, overlap
+        self.broadcast_buffers = bool(broadcast_buffers)
         self.bucket_cap_mb, self.first_bucket_cap_mb = bucket_cap_mb, first_bucket_cap_mb
 
         paths, self._treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -135,6 +153,12 @@ class DistributedDataParallel:
         leaves = [leaf for _, leaf in paths]
         if not leaves:
             raise ValueError("DistributedDataParallel needs a pytree with at least one array leaf")
+        keys = [n for n, x in zip(leaf_names, leaves) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+        if keys:
+            raise ValueError(
+                f"leaf {keys[0]} is a JAX PRNG key, which is not a parameter: keep random state out of the "
+                "parameters (for Flax NNX: in nnx.Rngs, whose RngState nnx_value_and_grad carries per rank; "
+                "pass nnx.state(model, nnx.Param) or the model itself)")
         not_float = [(n, np.dtype(x.dtype).name) for n, x in zip(leaf_names, leaves)
                      if not jnp.issubdtype(x.dtype, jnp.floating)]
         if not_float:
@@ -178,6 +202,7 @@ class DistributedDataParallel:
         self._hook = None
         self._hook_state = None
         self._lock = threading.Lock()
+        self._tracing_fired: set | None = None  # while a hooked step is traced: the taps whose backward ran
         self._install_plan(plan_buckets(specs, bucket_cap_mb, first_bucket_cap_mb))
         self._rebuilt = strategy != "hooked"  # XLA schedules the other strategies: nothing to rebuild
         self._rebuild_order: list[int] | None = None
@@ -240,7 +265,7 @@ class DistributedDataParallel:
         ]
         self._taps = [self._make_tap(b) for b in range(len(plan.buckets))]
         self._reduce_step = None
-        self._steps: dict = {}  # jitted steps, per loss_fn, traced with this plan's taps
+        self._steps: dict = {}  # jitted steps per step function (held: an id could be reused), with this plan
         self._hlo: dict = {}  # compiled: what XLA made of this plan (filled at the first step)
 
     @property
@@ -259,7 +284,12 @@ class DistributedDataParallel:
     # ------------------------------------------------------------- broadcast
     def broadcast(self, params):
         """Rank 0's values of `params` on every rank, after checking every rank passes the same
-        structure, shapes and dtypes (the same exchange as portddp.torch's, portddp.protocol)."""
+        structure, shapes and dtypes (the same exchange as portddp.torch's, portddp.protocol).
+
+        Given a Flax nnx.Module, it updates the module in place -- rank 0's Params and buffers
+        (BatchStat and other non-RNG state; RNG state stays per rank) -- and returns it."""
+        if flax_nnx.is_module(params):
+            return flax_nnx.broadcast(self, params)
         if self._transport is not None:
             # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
             self._verify_same_params(self._specs_of(params))
@@ -271,6 +301,19 @@ class DistributedDataParallel:
             if self.world_size > 1:
                 self._transport.broadcast(self._buffers[b], root=0).wait()
         return self._unpack()
+
+    def _broadcast_leaves(self, leaves: list) -> list:
+        """Rank 0's values of a list of numpy-convertible arrays (any dtypes), in one Bcast of bytes."""
+        arrays = [np.ascontiguousarray(np.asarray(x)) for x in leaves]
+        if self.world_size == 1 or self._transport is None or not arrays:
+            return arrays
+        flat = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+        self._transport.broadcast(flat, root=0).wait()
+        out, off = [], 0
+        for a in arrays:
+            out.append(flat[off:off + a.nbytes].view(a.dtype).reshape(a.shape).copy())
+            off += a.nbytes
+        return out
 
     def _leaves_of(self, tree) -> dict[int, object]:
         """{parameter index k: its leaf}, after checking the tree is the one we were built with."""
@@ -313,22 +356,30 @@ class DistributedDataParallel:
     # --------------------------------------------------------------- backward
     def _make_tap(self, b: int):
         """Identity on bucket b's parameters whose backward launches bucket b."""
-        return _host_tap(lambda token, *grads: self._bucket_ready(b, grads))
+        return _host_tap(lambda token, *grads: self._bucket_ready(b, grads), on_trace=lambda: self._tap_traced(b))
+
+    def _tap_traced(self, b: int) -> None:
+        """At trace time: tap b's backward rule is part of the program (JAX skips the rule of a tap
+        whose outputs the loss never uses, so a bucket not recorded here would never fire)."""
+        if self._tracing_fired is not None:
+            self._tracing_fired.add(b)
 
     def _loss_tap(self):
         """Identity on the loss whose backward records the end of forward. The loss itself is
         handed to the callback, so that it cannot be scheduled before the forward is done."""
         return _host_tap(self._forward_done, keep_primal=True)
 
-    def _start(self):
+    def _start(self, dead: list):
         """Identity on a scalar whose forward opens the iteration on the host (`_begin_iteration`).
         Its output is the token every tap takes, so no tap's callback can run before it; the
         taps' callbacks return the cotangents of that token, which flow back into `start`'s
-        input -- a value that exists only once every bucket has been launched."""
+        input -- a value that exists only once every bucket has been launched. `dead` lists the
+        buckets whose taps never fire (filled in once the step has been traced)."""
 
         @jax.custom_vjp
         def start(x):
-            return io_callback(self._begin_callback, jax.ShapeDtypeStruct((), jnp.float32), x, ordered=False)
+            return io_callback(lambda _x: self._begin_callback(dead), jax.ShapeDtypeStruct((), jnp.float32), x,
+                               ordered=False)
 
         def fwd(x):
             return start(x), None
@@ -339,9 +390,14 @@ class DistributedDataParallel:
         start.defvjp(fwd, bwd)
         return start
 
-    def _begin_callback(self, _x):
-        self._begin_iteration()
+    def _begin_callback(self, dead):
+        self._begin_iteration(dead)
         return np.float32(0)
+
+    def _buffers_callback(self, *leaves):
+        """Host side of broadcast_buffers in a hooked step: rank 0's buffers, then a zero the
+        iteration's start waits on (so the Bcast precedes every bucket's all-reduce on every rank)."""
+        return [*self._broadcast_leaves(leaves), np.float32(0)]
 
     def _forward_done(self, *_):
         self._events.forward_end_ns = _now()
@@ -381,7 +437,9 @@ class DistributedDataParallel:
         else:
             self._handles[b] = self._hook(self._hook_state, self._grad_buckets[b])
 
-    def _begin_iteration(self) -> None:
+    def _begin_iteration(self, dead=()) -> None:
+        """Open an iteration. The `dead` buckets (no tap fires: the loss uses none of their
+        leaves) are zeros and ready at once; they launch in plan order like the others."""
         n = len(self._buffers)
         self._ready = [False] * n
         self._next_launch = 0
@@ -391,14 +449,24 @@ class DistributedDataParallel:
         self._events = IterationEvents(
             rank=self.rank, forward_start_ns=_now(),
             buckets=[BucketEvents(b, buf.nbytes) for b, buf in enumerate(self._buffers)])
+        if dead:
+            with self._lock:
+                self._zero_ready(dead)
+                if self.overlap:
+                    self._launch_ready_buckets()
+
+    def _zero_ready(self, buckets) -> None:
+        now = _now()
+        for b in buckets:
+            self._buffers[b].fill(0)
+            self._events.buckets[b].ready_ns = now
+            self._ready[b] = True
 
     def _finalize(self):
         """After the computation: launch the rest, wait in plan order, return the mean gradients."""
         with self._lock:
-            missing = [b for b, r in enumerate(self._ready) if not r]
-            if missing:
-                raise RuntimeError(f"buckets {missing} never received their gradients: was the loss computed "
-                                   "with the params passed to the gradient function?")
+            # Only a safety net: buckets whose taps cannot fire were found at trace time (`dead`).
+            self._zero_ready([b for b, r in enumerate(self._ready) if not r])
             self._launch_ready_buckets()
         # After the buckets, as portddp.torch does: how many ranks produced each gradient. A JAX
         # rank always has all of them; a PyTorch rank in the same job may not (portddp.protocol).
@@ -456,63 +524,111 @@ class DistributedDataParallel:
                 self._install_plan(rebuild_plan(self._plan, order, cap, self.first_bucket_cap_mb) if order is not None
                                    else plan_buckets(self._plan.specs, cap, self.first_bucket_cap_mb))
 
-    def value_and_grad(self, loss_fn):
+    def value_and_grad(self, loss_fn, has_aux: bool = False):
         """`grad_fn(params, batch, sync=True) -> (loss, grads)`: grads are the mean over
         ranks (sync=True) or this rank's own (sync=False, to accumulate and `reduce` later).
 
         `loss` is this rank's own loss (pmap: the mean over devices). For pmap,
-        `batch` is the process's whole batch, split evenly over the devices."""
-        loss_fn = _scalar_loss(loss_fn)
-        local = jax.jit(jax.value_and_grad(loss_fn))
-        if self.strategy != "hooked":
-            def synced(params, batch):
-                self._autotune()
-                step = self._steps.get(id(loss_fn))
-                if step is None:  # first call, or the plan changed ("auto"): compile with this plan
-                    step = self._steps[id(loss_fn)] = self._timed(compiled.make_step(self, loss_fn))
-                return step(params, batch)
+        `batch` is the process's whole batch, split evenly over the devices.
+        With `has_aux=True`, `loss_fn` returns `(loss, aux)` and grad_fn
+        `((loss, aux), grads)`, as with `jax.value_and_grad` (aux: this rank's;
+        pmap: the first device's). For a Flax nnx.Module, see `nnx_value_and_grad`."""
+        checked = _checked_loss(loss_fn, has_aux)
 
-            return lambda params, batch, sync=True: synced(params, batch) if sync else local(params, batch)
-        program = self._hooked_step(loss_fn)
+        def pure(_static, params, state, batch):
+            loss, aux = checked(params, batch)
+            return loss, (aux, state)
+
+        step = self._grad_step(pure)
 
         def grad_fn(params, batch, sync: bool = True):
-            if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params)):
+            if flax_nnx.is_module(params):
+                raise TypeError(f"grad_fn got a Flax {type(params).__name__} module: use "
+                                "ddp.nnx_value_and_grad(loss_fn), whose grad_fn takes (model, batch)")
+            loss, aux, _, grads = step(None, params, None, batch, sync)
+            return ((loss, aux) if has_aux else loss), grads
+
+        return grad_fn
+
+    def nnx_value_and_grad(self, loss_fn, has_aux: bool = False):
+        """`grad_fn(model, batch, sync=True) -> (loss, grads)` for a Flax nnx.Module: the
+        counterpart of `nnx.value_and_grad(loss_fn)` with `loss_fn(model, batch)`.
+
+        grads is an nnx.State of the model's nnx.Param (the mean over ranks), ready for
+        `optimizer.update(model, grads)`; the state the forward changed (BatchStat, RNG counts)
+        is written back into `model`. See portddp/jax/flax_nnx.py for buffers and RNG."""
+        return flax_nnx.value_and_grad(self, loss_fn, has_aux)
+
+    def _grad_step(self, fn):
+        """`step(static, params, state, batch, sync) -> (loss, aux, new_state, grads)` for
+        `fn(static, params, state, batch) -> (loss, (aux, new_state))`, the one form every
+        front end (value_and_grad, nnx_value_and_grad) reduces to. `static` is hashable and
+        fixed per trace (an NNX GraphDef); `state` is per rank and not differentiated, and
+        `state[0]` holds the buffers broadcast_buffers replaces with rank 0's (None: no state)."""
+        local = jax.jit(jax.value_and_grad(fn, argnums=1, has_aux=True), static_argnums=0)
+
+        def local_step(static, params, state, batch):
+            (loss, (aux, new_state)), grads = local(static, params, state, batch)
+            return loss, aux, new_state, grads
+
+        if self.strategy != "hooked":
+            def synced(static, params, state, batch):
+                self._autotune()
+                step = self._steps.get(fn)
+                if step is None:  # first call, or the plan changed ("auto"): compile with this plan
+                    step = self._steps[fn] = self._timed(compiled.make_step(self, fn))
+                return step(static, params, state, batch)
+
+            def xla_step(static, params, state, batch, sync=True):
+                if sync and _traced(params):
+                    raise ValueError(
+                        f"strategy={self.strategy!r} runs its own program over every rank's device, which "
+                        "cannot be traced into your jax.jit (or nnx.jit) over this process's arrays: call "
+                        "grad_fn outside jit (it is compiled already; jit the optimizer update on its own), "
+                        "or use strategy='hooked', which can be")
+                return _flax_errors(synced if sync else local_step, static, params, state, batch)
+
+            return xla_step
+        program = self._hooked_step(fn)
+
+        def hooked_step(static, params, state, batch, sync: bool = True):
+            if _traced(params):
                 # Inside the caller's jit: the program is traced once, with today's plan, so the
                 # plan must not change under it -- no rebuild in this mode.
                 if self._tuner is not None:
                     raise ValueError("bucket_cap_mb='auto' re-plans between grad_fn calls, which cannot happen "
                                      "inside your own jax.jit: pass a number of MB, or call grad_fn outside jit")
                 self._rebuilt, self._rebuild_order = True, None
-                return program(params, batch) if sync else local(params, batch)
+                return _flax_errors(program if sync else local_step, static, params, state, batch)
             if sync:
                 self._autotune()
             self._maybe_rebuild()
             if not sync:
-                return local(params, batch)
-            step = self._steps.get(id(program))
+                return _flax_errors(local_step, static, params, state, batch)
+            step = self._steps.get(program)
             if step is None:  # first call, or the plan was rebuilt: trace again with the new taps
                 # A new function object each time: jax.jit caches traces per function.
-                step = self._steps[id(program)] = jax.jit(lambda params, batch: program(params, batch))
+                step = self._steps[program] = jax.jit(lambda *args: program(*args), static_argnums=0)
             self._callback_error = None
             try:
-                loss, grads = step(params, batch)
-                return loss, jax.block_until_ready(grads)
+                loss, aux, new_state, grads = _flax_errors(step, static, params, state, batch)
+                return loss, aux, new_state, jax.block_until_ready(grads)
             except Exception:
                 error, self._callback_error = self._callback_error, None
                 if error is None:
                     raise
                 raise error from None  # portddp's own message, not XLA's wrapper around it
 
-        return grad_fn
+        return hooked_step
 
     def _timed(self, step):
-        def run(params, batch):
+        def run(*args):
             t0 = _now()
-            loss, grads = step(params, batch)
-            jax.block_until_ready(grads)
+            out = step(*args)
+            jax.block_until_ready(out[-1])
             self._iteration_time = (_now() - t0) * 1e-9
             self._iterations += 1
-            return loss, grads
+            return out
 
         return run
 
@@ -530,33 +646,55 @@ class DistributedDataParallel:
                 out[i] = flat[off:off + self._plan.specs[k].numel].reshape(self._leaf_shapes[i])
         return out
 
-    def _hooked_step(self, loss_fn):
+    def _hooked_step(self, fn):
         """The synchronised step as one traceable program: host callbacks open the iteration,
         launch each bucket as XLA produces its gradients, and finally wait for the reductions and
         hand the reduced buckets back into the program. It can therefore be wrapped in the
         caller's own jax.jit (with the optimizer update, say); called eagerly, it is jitted here."""
-        loss_tap, start = self._loss_tap(), self._start()
+        loss_tap = self._loss_tap()
 
-        def tapped(params, start_value, batch):
-            # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (grad_fn).
-            token = start(start_value)
-            leaves = list(jax.tree_util.tree_leaves(params))
-            for b, bucket in enumerate(self._plan.buckets):
-                tapped_leaves = self._taps[b]([leaves[self._leaf_of[k]] for k in bucket.params], token)
-                for k, leaf in zip(bucket.params, tapped_leaves):
-                    leaves[self._leaf_of[k]] = leaf
-            return loss_tap(loss_fn(jax.tree_util.tree_unflatten(self._treedef, leaves), batch), token)
+        def program(static, params, state, batch):
+            if jax.tree_util.tree_structure(params) != self._treedef:
+                raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
+                                 f" got {jax.tree_util.tree_structure(params)}, expected {self._treedef}")
+            dead: list[int] = []  # read by the start callback at run time, filled below at trace time
+            start = self._start(dead)
+            bcast = (state is not None and self.broadcast_buffers and self.world_size > 1
+                     and bool(jax.tree.leaves(state[0])))
 
-        def program(params, batch):
-            loss, (_, launched) = jax.value_and_grad(tapped, argnums=(0, 1))(params, jnp.float32(0), batch)
-            # `launched` depends on every tap's callback: this one runs after the last launch.
+            def tapped(params, start_value, state):
+                # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (grad_fn).
+                if bcast:  # rank 0's buffers, Bcast before the iteration starts (the token waits for it)
+                    leaves, tree = jax.tree.flatten(state[0])
+                    *leaves, after = io_callback(self._buffers_callback, [
+                        *(jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves),
+                        jax.ShapeDtypeStruct((), jnp.float32)], *leaves, ordered=False)
+                    state = (jax.tree.unflatten(tree, leaves), *state[1:])
+                    start_value = start_value + after
+                token = start(start_value)
+                leaves = list(jax.tree_util.tree_leaves(params))
+                for b, bucket in enumerate(self._plan.buckets):
+                    tapped_leaves = self._taps[b]([leaves[self._leaf_of[k]] for k in bucket.params], token)
+                    for k, leaf in zip(bucket.params, tapped_leaves):
+                        leaves[self._leaf_of[k]] = leaf
+                loss, aux = fn(static, jax.tree_util.tree_unflatten(self._treedef, leaves), state, batch)
+                return loss_tap(loss, token), aux
+
+            self._tracing_fired = fired = set()
+            try:
+                (loss, (aux, new_state)), (_, launched) = jax.value_and_grad(tapped, argnums=(0, 1), has_aux=True)(
+                    params, jnp.float32(0), state)
+            finally:
+                self._tracing_fired = None
+            dead.extend(b for b in range(len(self._plan.buckets)) if b not in fired)
+            # `launched` depends on every live tap's callback: this one runs after the last launch.
             # One array per parameter (canonical layout, plan order): XLA copies the callback's
             # results into its own buffers, so the host hands out views of the bucket buffers.
             specs = [self._plan.specs[k] for b in self._plan.buckets for k in b.params]
             reduced = io_callback(self._finish_callback,
                                   [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in specs],
                                   launched, ordered=False)
-            return loss, self._to_tree(reduced)
+            return loss, aux, new_state, self._to_tree(reduced)
 
         return program
 
@@ -624,11 +762,14 @@ class Canonical(NamedTuple):
     perm: tuple[int, ...] | None  # canonical array = leaf.transpose(perm); None: as is
 
 
-def _host_tap(on_backward, keep_primal: bool = False):
+def _host_tap(on_backward, keep_primal: bool = False, on_trace=None):
     """`tap(x, token) -> x`, whose backward rule calls `on_backward` on the host (io_callback)
     with (the primal value if `keep_primal`,) the token and the cotangents of x, as soon as XLA
     has computed them. It passes the cotangents on unchanged, and the callback's float32 result
-    becomes the token's cotangent: whatever depends on that has to wait for the callback."""
+    becomes the token's cotangent: whatever depends on that has to wait for the callback.
+
+    `on_trace()` runs when the backward rule is traced. JAX traces it only if some output of the
+    tap reaches the loss (unused outputs within it get zero cotangents, instantiated)."""
 
     @jax.custom_vjp
     def tap(x, token):
@@ -638,6 +779,8 @@ def _host_tap(on_backward, keep_primal: bool = False):
         return x, (x if keep_primal else None, token)
 
     def bwd(residual, g):
+        if on_trace is not None:
+            on_trace()
         done = io_callback(on_backward, jax.ShapeDtypeStruct((), jnp.float32), *jax.tree.leaves((residual, g)),
                            ordered=False)
         return g, done
@@ -650,14 +793,52 @@ def _permuted(shape: tuple[int, ...], perm) -> tuple[int, ...]:
     return shape if perm is None else tuple(shape[p] for p in perm)
 
 
-def _scalar_loss(loss_fn):
-    """loss_fn, checked at trace time to return a scalar (the same error on every rank)."""
+def _traced(tree) -> bool:
+    """Whether `tree` holds tracers: grad_fn is being traced into the caller's jit."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
-    def checked(params, batch):
-        loss = loss_fn(params, batch)
+
+def _flax_errors(step, *args):
+    """Run `step`; Flax's error for state mutated across a trace boundary becomes portddp's, with the fix."""
+    try:
+        return step(*args)
+    except Exception as e:
+        if type(e).__name__ != "TraceContextError":
+            raise
+        raise RuntimeError(
+            f"loss_fn changed Flax NNX state that was not passed to grad_fn (Flax: {str(e).split(' (')[0]}): "
+            "portddp traces loss_fn into its own compiled step, so an nnx.Rngs (or any nnx.Variable) captured "
+            "from outside cannot be updated there. Keep it in the model -- e.g. nnx.Dropout(rate, rngs=rngs) "
+            "holds its own stream -- and use ddp.nnx_value_and_grad(loss_fn)(model, batch), which carries the "
+            "model's RNG state and buffers through the step") from None
+
+
+def _checked_loss(loss_fn, has_aux: bool):
+    """loss_fn as `(x, batch) -> (loss, aux)` (aux None without has_aux), checked at trace time to
+    return a floating-point scalar loss (the same error on every rank, before any collective)."""
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+
+    def checked(x, batch):
+        out = loss_fn(x, batch)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                got = f"a {type(out).__name__} of {len(out)} values" if isinstance(out, tuple | list) else \
+                    f"one array of shape {jnp.shape(out)}" if hasattr(out, "shape") else f"a {type(out).__name__}"
+                raise TypeError(f"has_aux=True: loss_fn must return a pair (loss, aux); {name!r} returned {got}")
+            loss, aux = out
+        elif isinstance(out, tuple | list):
+            raise TypeError(
+                f"loss_fn must return a scalar; {name!r} returned a {type(out).__name__} of {len(out)} values: to "
+                "return (loss, aux) pass has_aux=True (ddp.value_and_grad(loss_fn, has_aux=True); grad_fn then "
+                "returns ((loss, aux), grads)), or return only the loss")
+        else:
+            loss, aux = out, None
         if jnp.shape(loss) != ():
-            raise TypeError(f"loss_fn must return a scalar; {getattr(loss_fn, '__name__', loss_fn)!r} returned "
-                            f"shape {jnp.shape(loss)}: reduce it (e.g. .mean()) inside loss_fn")
-        return loss
+            raise TypeError(f"loss_fn must return a scalar; {name!r} returned shape {jnp.shape(loss)}: reduce it "
+                            "(e.g. .mean()) inside loss_fn")
+        if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+            raise TypeError(f"loss_fn must return a floating-point scalar; {name!r} returned "
+                            f"{jnp.result_type(loss)}: gradients need a real-valued loss")
+        return loss, aux
 
     return checked

@@ -1,0 +1,125 @@
+"""Flax NNX front end of portddp.jax: a training step on an `nnx.Module`.
+
+    model = Net(rngs=nnx.Rngs(params=0, dropout=rank))
+    ddp = DistributedDataParallel(model)            # or nnx.state(model, nnx.Param)
+    ddp.broadcast(model)                            # rank 0's Params and buffers, in place
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    grad_fn = ddp.nnx_value_and_grad(loss_fn)       # loss_fn(model, batch) -> loss
+    loss, grads = grad_fn(model, batch)             # grads: nnx.State of the Params, mean over ranks
+    optimizer.update(model, grads)
+
+What the split does for the user: `grad_fn` splits the model into its GraphDef
+(static), its nnx.Param state (differentiated, bucketed and reduced like any
+pytree), its buffers and its other state, runs `loss_fn` on the model merged
+back inside portddp's step, and writes the state the forward changed back into
+`model`. The model's state falls in three parts:
+
+* Params -- every nnx.Param (and subclass): the gradients.
+* Buffers -- every other array that is neither RNG state nor an
+  nnx.Intermediate: BatchNorm's BatchStat, plain array attributes, custom
+  nnx.Variable types. As in PyTorch DDP, `broadcast_buffers=True` (the
+  default) replaces each rank's buffers with rank 0's before every synchronised
+  forward; after the step each rank keeps the statistics of its own shard,
+  which the next step's broadcast overwrites with rank 0's. `sync=False` skips
+  the broadcast (as torch's no_sync does).
+* Other state -- RNG state (nnx.Rngs streams: RngKey, RngCount), typed PRNG
+  keys anywhere, intermediates: carried through the step per rank, never
+  broadcast. Like torch's per-process generators, each rank draws its own
+  dropout masks from its own streams: seed them per rank (e.g.
+  `nnx.Rngs(params=0, dropout=rank)`) for different masks, or alike for equal
+  ones; `ddp.broadcast(model)` leaves them alone.
+
+strategy="pmap" maps one process's devices, which share the process's model:
+every device starts from the same state (so the same RNG streams) and the
+first device's resulting state is kept.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["broadcast", "is_module", "params_of", "split", "value_and_grad"]
+
+
+def _nnx():
+    from flax import nnx  # noqa: PLC0415 -- Flax is needed only for NNX models
+
+    return nnx
+
+
+def is_module(x) -> bool:
+    """Whether `x` is a Flax nnx.Module (False without importing Flax when it was never loaded)."""
+    import sys  # noqa: PLC0415
+
+    return "flax.nnx" in sys.modules and isinstance(x, _nnx().Module)
+
+
+def params_of(x):
+    """A module's nnx.Param state; anything else as it is."""
+    return _nnx().state(x, _nnx().Param) if is_module(x) else x
+
+
+def _is_buffer(_path, x) -> bool:
+    """The nnx filter for buffers: arrays that are neither RNG state, PRNG keys nor intermediates."""
+    nnx = _nnx()
+    if isinstance(x, nnx.RngState | nnx.Intermediate):
+        return False
+    value = x.get_value() if isinstance(x, nnx.Variable) else x
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def split(model):
+    """(graphdef, params, buffers, other): the three kinds of state described in the module docstring."""
+    nnx = _nnx()
+    return nnx.split(model, nnx.Param, _is_buffer, ...)
+
+
+def broadcast(ddp, model):
+    """Rank 0's Params and buffers into `model` on every rank (RNG state stays per rank); returns `model`.
+    Every rank must pass the same structure, shapes and dtypes (checked first, errors name the leaf)."""
+    from portddp.protocol import check_same_config, check_same_specs  # noqa: PLC0415
+
+    _graphdef, params, buffers, _other = split(model)
+    params = ddp.broadcast(params)
+    leaves = jax.tree_util.tree_flatten_with_path(buffers)[0]
+    if ddp._transport is not None and ddp.world_size > 1:
+        everyone = ddp._transport.allgather_object({
+            "broadcast_buffers": ddp.broadcast_buffers,
+            "specs": [(jax.tree_util.keystr(p), tuple(jnp.shape(x)), jnp.dtype(x.dtype).name) for p, x in leaves]})
+        check_same_config([{"broadcast_buffers": e["broadcast_buffers"]} for e in everyone])
+        check_same_specs([e["specs"] for e in everyone], "model buffers differ across ranks", "buffer", "buffers")
+    values = ddp._broadcast_leaves([x for _, x in leaves])
+    buffers = jax.tree.unflatten(jax.tree.structure(buffers), [jnp.asarray(v) for v in values])
+    _nnx().update(model, params, buffers)
+    return model
+
+
+def value_and_grad(ddp, loss_fn, has_aux: bool):
+    """DistributedDataParallel.nnx_value_and_grad: see there and the module docstring."""
+    from portddp.jax.ddp import _checked_loss  # noqa: PLC0415 -- ddp imports this module
+
+    nnx = _nnx()
+    checked = _checked_loss(loss_fn, has_aux)
+
+    def pure(graphdef, params, state, batch):
+        # copy=True: fresh Variables owned by this trace (the step differentiates inside jit, and
+        # Flax refuses to mutate a Variable created at another trace level).
+        model = nnx.merge(graphdef, params, *state, copy=True)
+        loss, aux = checked(model, batch)
+        _, _, buffers, other = split(model)
+        return loss, (aux, (buffers, other))
+
+    step = ddp._grad_step(pure)
+
+    def grad_fn(model, batch, sync: bool = True):
+        if not is_module(model):
+            raise TypeError(f"nnx_value_and_grad's grad_fn takes (model, batch) with an nnx.Module; got "
+                            f"{type(model).__name__}: for a parameter pytree use ddp.value_and_grad(loss_fn)")
+        graphdef, params, buffers, other = split(model)
+        loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
+        nnx.update(model, buffers, other)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return grad_fn

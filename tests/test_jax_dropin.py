@@ -1,0 +1,115 @@
+"""portddp.jax in the everyday idioms of Flax NNX and optax: an nnx.Module with BatchNorm and
+Dropout trained by nnx.Optimizer through ddp.nnx_value_and_grad (eagerly and inside nnx.jit),
+leaves the loss does not use, has_aux, and the errors for what the design cannot take.
+Worker: tests/workers/jax_dropin.py (n=2 for hooked and compiled; n=1 over 2 forced host
+devices for pmap; the bad inputs in one n=2 job)."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from tests import mpi
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return 2, mpi.collect(2, "tests.workers.jax_dropin", tmp_path_factory.mktemp("dropin_n2"))
+
+
+@pytest.fixture(scope="module")
+def pmap_world(tmp_path_factory):
+    return 1, mpi.collect(1, "tests.workers.jax_dropin", tmp_path_factory.mktemp("dropin_pmap"), "pmap")
+
+
+@pytest.mark.parametrize("scenario", ["hooked", "compiled", "hooked/nnx.jit", "hooked/broadcast_buffers=False"])
+def test_nnx_batchnorm_dropout_adamw_matches_the_per_shard_reference(two_ranks, scenario):
+    """float64, 4 adamw steps: Params equal to the reference's; each rank's BatchStat equal to what the
+    reference computes for that rank's shard (starting from rank 0's with broadcast_buffers, its own
+    without); each rank's loss its own shard's; grads an nnx.State."""
+    _, rows = mpi.each_rank(two_ranks, f"nnx_train/{scenario}")
+    for row in rows:
+        assert row["params_rel"] <= 1e-10 and row["stats_rel"] <= 1e-10 and row["loss_rel"] <= 1e-10, row
+        assert row["grads_type"] == "State" and row["buckets"] >= 2, row
+        assert row["rng_count"] > 0, row  # the forward's RNG draws came back to the model
+
+
+def test_dropout_masks_are_applied_and_differ_per_rank(two_ranks):
+    """Each rank draws from its own stream (nnx.Rngs(dropout=1000 + rank)), as torch's per-process generators."""
+    _, rows = mpi.each_rank(two_ranks, "nnx_train/hooked")
+    masks = [row["mask"] for row in rows]
+    assert all(0 < sum(m) < len(m) for m in masks), masks
+    assert masks[0] != masks[1]
+
+
+@pytest.mark.parametrize("strategy", ["hooked", "compiled"])
+def test_nnx_without_per_rank_state_matches_the_global_batch(two_ranks, strategy):
+    _, rows = mpi.each_rank(two_ranks, f"nnx_global_batch/{strategy}")
+    assert all(row["max_rel"] <= 1e-10 for row in rows), rows
+
+
+def _unused_rows(two_ranks, pmap_world, strategy):
+    return mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"unused/{strategy}")[1]
+
+
+@pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
+def test_leaves_the_loss_does_not_use_get_zeros(two_ranks, pmap_world, strategy):
+    """Plan [d] [c, b] [a]: the first bucket never fires, b sits beside c, and (hooked) c reaches the loss
+    on rank 0 only -- its gradient is then rank 0's / world. Three calls: before and after the rebuild."""
+    for row in _unused_rows(two_ranks, pmap_world, strategy):
+        assert row["buckets"] == [["['d']"], ["['c']", "['b']"], ["['a']"]], row
+        assert row["max_rel"] <= 1e-10, row
+        assert row["zero"] == row["want_zero"], row
+        assert row["zero"][1] and row["zero"][3] and not row["zero"][0], row
+        if strategy == "hooked":
+            assert not row["zero"][2], row  # used on rank 0 only: a nonzero mean
+
+
+@pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
+def test_has_aux(two_ranks, pmap_world, strategy):
+    """((loss, aux), grads) as jax.value_and_grad(has_aux=True) gives, for pytrees and NNX models."""
+    _, rows = mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"has_aux/{strategy}")
+    for row in rows:
+        assert row["aux_equal"] and row["local_aux_equal"] and row["loss_equal"], row
+        assert row["grads_rel"] == 0.0 and row.get("loss_is_mine", True), row
+        assert row["nnx_aux"] == [8, 3] and row["nnx_grads_type"] == "State", row
+
+
+BAD = [
+    ("tuple_loss_without_has_aux", r"TypeError: loss_fn must return a scalar; 'returns_pair' returned a tuple of 2 "
+                                   r"values: to return \(loss, aux\) pass has_aux=True"),
+    ("has_aux_without_pair", r"has_aux=True: loss_fn must return a pair \(loss, aux\); '<lambda>' returned one array"),
+    ("compiled_inside_jit", r"strategy='compiled' runs its own program over every rank's device, which cannot be "
+                            r"traced into your jax\.jit .* or use strategy='hooked'"),
+    ("rngs_captured_outside", r"loss_fn changed Flax NNX state that was not passed to grad_fn \(Flax: Cannot mutate "
+                              r"RngCount .*\): .* Keep it in the model"),
+    ("key_in_params", r"leaf \['seed'\]\.value is a JAX PRNG key, which is not a parameter"),
+    ("module_to_pytree_grad_fn", r"grad_fn got a Flax Net module: use ddp\.nnx_value_and_grad\(loss_fn\)"),
+    ("key_in_batch_compiled", r"a batch leaf is a JAX PRNG key: strategy='compiled' splits batch leaves"),
+    ("buffers_differ", r"model buffers differ across ranks: buffer #0 is \['bn'\]\['mean'\]\.value \(16,\) float32 on "
+                       r"rank 0 but \['bn'\]\['mean'\]\.value \(17,\)"),
+    ("broadcast_buffers_differ", r"broadcast_buffers is True on rank 0 but False on rank 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_job():
+    proc = mpi.run(2, "tests.workers.jax_dropin", "bad", "all", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("case,pattern", BAD, ids=[c for c, _ in BAD])
+def test_bad_input_fails_on_every_rank(bad_job, case, pattern):
+    mine = "\n".join(line[len(case) + 3:] for line in bad_job.stdout.splitlines() if line.startswith(f"[{case}] "))
+    mpi.errors_on_every_rank(SimpleNamespace(stdout=mine, stderr=bad_job.stderr), 2, pattern)
+
+
+def test_bad_cases_are_all_listed():
+    from pathlib import Path  # noqa: PLC0415
+
+    worker = (Path(__file__).parent / "workers" / "jax_dropin.py").read_text()
+    listed = re.search(r"BAD_CASES = \((.*?)\)\n", worker, re.S).group(1)
+    assert sorted(re.findall(r'"(\w+)"', listed)) == sorted(c for c, _ in BAD)

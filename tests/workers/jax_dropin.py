@@ -1,0 +1,305 @@
+"""portddp.jax in the idioms of Flax NNX and optax, run by tests/test_jax_dropin.py:
+
+    mpirun -n 2 python -m tests.workers.jax_dropin          # hooked and compiled, one JSON line each
+    python -m tests.workers.jax_dropin pmap                 # pmap (2 forced host devices)
+    mpirun -n 2 python -m tests.workers.jax_dropin bad CASE # one bad input: an error on every rank
+    mpirun -n 2 python -m tests.workers.jax_dropin bad all  # every case in one job, lines prefixed [CASE]
+
+Scenarios: an NNX model with BatchNorm and Dropout trained with nnx.Optimizer
+(optax.adamw) in float64 against a single-process per-shard reference; leaves
+the loss does not use; has_aux. The reference for the NNX model runs, in one
+process, each rank's shard through a copy of the model holding that rank's RNG
+streams and rank 0's batch statistics (what broadcast_buffers gives each rank
+before the forward), averages the gradients, and applies the same optimizer:
+BatchNorm statistics are per shard by design, so that -- not one global batch
+-- is what the distributed step must equal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import portddp
+from portddp.launch import detect
+
+if detect().size == 1:  # before JAX starts: devices for the pmap strategy
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+# jax.distributed (for strategy="compiled") costs seconds to start: only where a strategy needs it.
+_BAD_CASE = sys.argv[2] if sys.argv[1:2] == ["bad"] else None
+WORLD = portddp.init(torch_distributed=False, jax_distributed=_BAD_CASE in (None, "all", "compiled_inside_jit",
+                                                                           "key_in_batch_compiled"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+from portddp.data import regression_batch  # noqa: E402
+from portddp.jax import DistributedDataParallel  # noqa: E402
+from tests.workers import common  # noqa: E402
+
+IN, HID, OUT, BATCH, STEPS = 6, 16, 3, 8, 4
+F64 = jnp.float64
+CAP_MB = 600 / 2**20  # a few small buckets
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        # No bias before BatchNorm (which removes it): its gradient would be pure rounding noise, which adamw's
+        # g / (|g| + eps) turns into updates of ~1e-11 that differ between any two summation orders.
+        self.l1 = nnx.Linear(IN, HID, use_bias=False, rngs=rngs, dtype=F64, param_dtype=F64)
+        self.bn = nnx.BatchNorm(HID, rngs=rngs, dtype=F64, param_dtype=F64)
+        self.drop = nnx.Dropout(0.3, rngs=rngs)
+        self.l2 = nnx.Linear(HID, OUT, rngs=rngs, dtype=F64, param_dtype=F64)
+
+    def __call__(self, x):
+        return self.l2(self.drop(jax.nn.relu(self.bn(self.l1(x)))))
+
+
+def net(rank: int, params_seed: int) -> Net:
+    # Params from params_seed; dropout masks from this rank's own stream.
+    return Net(nnx.Rngs(params=params_seed, dropout=1000 + rank))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def batch_of(rank: int, step: int):
+    return regression_batch(5, step, rank, BATCH, IN, OUT, dtype="float64")
+
+
+def rel_diff(a, b) -> float:
+    return max(float(jnp.max(jnp.abs(x - y)) / max(1.0, float(jnp.max(jnp.abs(y)))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def plain(tree):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree)
+
+
+def reference(world: int, broadcast_buffers: bool = True):
+    """One process, one model copy per rank (same Params, that rank's dropout stream); each step:
+    rank 0's batch stats into every copy (if broadcast_buffers), each copy's shard, mean gradient,
+    one adamw update each."""
+    copies = [net(r, params_seed=100) for r in range(world)]
+    opts = [nnx.Optimizer(m, optax.adamw(1e-2), wrt=nnx.Param) for m in copies]
+    grad = nnx.value_and_grad(loss_fn)
+    losses, stats = [], []
+    for step in range(STEPS):
+        rank0_stats = nnx.state(copies[0], nnx.BatchStat)
+        for m in copies if broadcast_buffers else []:
+            nnx.update(m, rank0_stats)
+        out = [grad(m, batch_of(r, step)) for r, m in enumerate(copies)]
+        mean = jax.tree.map(lambda *g: sum(g) / world, *[g for _, g in out])
+        for m, opt in zip(copies, opts):
+            opt.update(m, mean)
+        losses.append([float(loss) for loss, _ in out])
+        stats = [nnx.state(m, nnx.BatchStat) for m in copies]  # each rank's after its own shard
+    return copies[0], losses, stats
+
+
+def nnx_train(strategy: str, jit: bool = False, broadcast_buffers: bool = True):
+    """BatchNorm + Dropout, nnx.Optimizer(adamw), STEPS steps through portddp."""
+    model = net(WORLD.rank, params_seed=100 + WORLD.rank)  # Params differ per rank: broadcast fixes them
+    model.bn.mean[...] = model.bn.mean[...] + WORLD.rank  # so do the buffers
+    ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB / 4, strategy=strategy,
+                                  broadcast_buffers=broadcast_buffers)
+    ddp.broadcast(model)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    grad_fn = ddp.nnx_value_and_grad(loss_fn)
+
+    def train_step(model, optimizer, batch):
+        loss, grads = grad_fn(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    if jit:
+        train_step = nnx.jit(train_step)
+    losses = [float(train_step(model, optimizer, batch_of(WORLD.rank, step))) for step in range(STEPS)]
+    ref, ref_losses, ref_stats = reference(WORLD.size, broadcast_buffers)
+    mask = np.asarray(model.drop(jnp.ones(64)) != 0).tolist()  # this rank's next dropout mask
+    common.report(
+        WORLD.rank, f"nnx_train/{strategy}" + ("/nnx.jit" if jit else "") + ("" if broadcast_buffers else
+                                                                             "/broadcast_buffers=False"),
+        params_rel=rel_diff(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param)),
+        stats_rel=rel_diff(nnx.state(model, nnx.BatchStat), ref_stats[WORLD.rank]),
+        loss_rel=max(abs(a - b[WORLD.rank]) / max(1.0, abs(b[WORLD.rank])) for a, b in zip(losses, ref_losses)),
+        rng_count=int(model.drop.rngs.count[...]), buckets=len(ddp.bucket_plan.buckets),
+        grads_type=type(grad_fn(model, batch_of(WORLD.rank, 0), sync=False)[1]).__name__, mask=mask)
+
+
+def nnx_no_dropout_vs_global_batch(strategy: str):
+    """Dropout off (deterministic) and BatchNorm in eval mode: then one process on the global batch is the
+    reference, as for any model whose forward has no per-rank state."""
+    model = net(WORLD.rank, params_seed=100 + WORLD.rank)
+    ddp = DistributedDataParallel(nnx.state(model, nnx.Param), bucket_cap_mb=CAP_MB, strategy=strategy)
+    ddp.broadcast(model)
+    model.eval()
+    grad_fn = ddp.nnx_value_and_grad(loss_fn)
+    _, grads = grad_fn(model, batch_of(WORLD.rank, 0))
+    ref = net(0, params_seed=100)
+    ref.eval()
+    xs, ys = zip(*(batch_of(r, 0) for r in range(WORLD.size)))
+    want = nnx.grad(loss_fn)(ref, (np.concatenate(xs), np.concatenate(ys)))
+    common.report(WORLD.rank, f"nnx_global_batch/{strategy}", max_rel=rel_diff(grads, want))
+
+
+# ------------------------------------------------------------------ unused leaves
+def unused_leaves(strategy: str):
+    """Leaves the loss never uses -- a whole first bucket, and one leaf beside a used one -- and
+    (hooked) a leaf only rank 0 uses: zeros where nobody uses them, the global-batch mean otherwise."""
+    k = jax.random.split(jax.random.key(7), 3)
+    params = {"a": jax.random.normal(k[0], (4, 4), F64), "b": jnp.ones(4, F64),
+              "c": jax.random.normal(k[1], (4, 4), F64), "d": jnp.ones(3, F64)}
+    rank_dependent = strategy == "hooked"  # one program per process for the XLA strategies
+
+    def loss_on(p, batch, rank):
+        x, y = batch
+        h = jnp.tanh(x[:, :4] @ p["a"])
+        if rank_dependent and rank == 0:  # "c" reaches the loss on rank 0 only
+            h = h @ p["c"]
+        return jnp.mean((h[:, :OUT] - y) ** 2)
+
+    # Plan (reverse order d, c, b, a): [d] never fires; [c, b] fires on rank 0 only, with b unused; [a].
+    ddp = DistributedDataParallel(params, bucket_cap_mb=150 / 2**20, first_bucket_cap_mb=8 / 2**20,
+                                  strategy=strategy)
+    buckets = [[ddp.bucket_plan.specs[i].name for i in b.params] for b in ddp.bucket_plan.buckets]
+    grad_fn = ddp.value_and_grad(lambda p, batch: loss_on(p, batch, WORLD.rank))
+    world = WORLD.size if strategy != "pmap" else ddp.world_size
+    shards = [batch_of(r, 0) for r in range(world)]
+    mine = (np.concatenate([s[0] for s in shards]), np.concatenate([s[1] for s in shards])) \
+        if strategy == "pmap" else shards[WORLD.rank]
+    want = jax.grad(lambda p: sum(loss_on(p, s, r) for r, s in enumerate(shards)) / world)(params)
+    got = [grad_fn(params, mine)[1] for _ in range(3)]  # the third after the plan rebuild (hooked)
+    common.report(WORLD.rank, f"unused/{strategy}", max_rel=max(rel_diff(g, want) for g in got),
+                  zero=[bool(jnp.all(got[-1][n] == 0)) for n in "abcd"], buckets=buckets,
+                  want_zero=[bool(jnp.all(want[n] == 0)) for n in "abcd"])
+
+
+# ------------------------------------------------------------------ has_aux
+def has_aux(strategy: str):
+    params = {"w": jnp.arange(12, dtype=F64).reshape(IN // 2, 4) / 10}
+
+    def loss_aux(p, batch):
+        x, _ = batch
+        z = x[:, : IN // 2] @ p["w"]
+        return jnp.mean(z ** 2), {"z_max": jnp.max(z), "n": jnp.asarray(x.shape[0])}
+
+    ddp = DistributedDataParallel(params, strategy=strategy)
+    batch = batch_of(WORLD.rank, 0)
+    if strategy == "pmap":
+        batch = tuple(np.concatenate(parts) for parts in zip(*(batch_of(r, 0) for r in range(ddp.world_size))))
+    (loss, aux), grads = ddp.value_and_grad(loss_aux, has_aux=True)(params, batch)
+    (_, plain_aux), _ = ddp.value_and_grad(loss_aux, has_aux=True)(params, batch, sync=False)
+    loss2, grads2 = ddp.value_and_grad(lambda p, b: loss_aux(p, b)[0])(params, batch)
+    first = batch_of(0, 0) if strategy == "pmap" else batch  # pmap: the first device's aux
+    want_loss, want_aux = loss_aux(params, first)
+    close = lambda a, b: abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))  # noqa: E731
+    fields = {"aux_equal": close(aux["z_max"], want_aux["z_max"]) and int(aux["n"]) == int(want_aux["n"]),
+              "local_aux_equal": close(plain_aux["z_max"], loss_aux(params, batch)[1]["z_max"]),
+              "grads_rel": rel_diff(grads, grads2), "loss_equal": float(loss) == float(loss2)}
+    if strategy != "pmap":
+        fields["loss_is_mine"] = abs(float(loss) - float(want_loss)) <= 1e-12 * abs(float(want_loss))
+    # NNX: ((loss, aux), grads) too
+    model = net(WORLD.rank, 100)
+    ddp = DistributedDataParallel(model, strategy=strategy)
+    ddp.broadcast(model)
+    (_, nnx_aux), nnx_grads = ddp.nnx_value_and_grad(lambda m, b: (loss_fn(m, b), m(b[0]).shape), has_aux=True)(
+        model, batch)
+    fields["nnx_aux"] = [int(v) for v in nnx_aux]
+    fields["nnx_grads_type"] = type(nnx_grads).__name__
+    common.report(WORLD.rank, f"has_aux/{strategy}", **fields)
+
+
+# ------------------------------------------------------------------ bad input
+def bad(case: str) -> None:
+    last = WORLD.rank == WORLD.size - 1
+    params = {"w": jnp.ones((IN, OUT), F64)}
+    batch = batch_of(WORLD.rank, 0)
+    mse = lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2)  # noqa: E731
+    if case == "tuple_loss_without_has_aux":
+        def returns_pair(p, b):
+            return mse(p, b), {"acc": 1.0}
+
+        DistributedDataParallel(params).value_and_grad(returns_pair)(params, batch)
+    elif case == "has_aux_without_pair":
+        DistributedDataParallel(params).value_and_grad(mse, has_aux=True)(params, batch)
+    elif case == "compiled_inside_jit":
+        grad_fn = DistributedDataParallel(params, strategy="compiled").value_and_grad(mse)
+        jax.jit(lambda p, b: grad_fn(p, b)[1])(params, batch)
+    elif case == "rngs_captured_outside":
+        rngs = nnx.Rngs(dropout=WORLD.rank)
+        ddp = DistributedDataParallel(params)
+        ddp.value_and_grad(lambda p, b: mse(p, b) + 0 * jax.random.normal(rngs.dropout(), ()))(params, batch)
+    elif case == "key_in_params":
+        class Keyed(nnx.Module):
+            def __init__(self):
+                self.w = nnx.Param(jnp.ones((IN, OUT), F64))
+                self.seed = nnx.Param(jax.random.key(0))
+
+        DistributedDataParallel(Keyed())
+    elif case == "module_to_pytree_grad_fn":
+        model = net(WORLD.rank, 100)
+        DistributedDataParallel(model).value_and_grad(loss_fn)(model, batch)
+    elif case == "key_in_batch_compiled":
+        ddp = DistributedDataParallel(params, strategy="compiled")
+        ddp.value_and_grad(lambda p, b: mse(p, b[0]))(params, (batch, jax.random.key(WORLD.rank)))
+    elif case == "buffers_differ":
+        model = net(WORLD.rank, 100)
+        if last:
+            model.bn.mean = nnx.BatchStat(jnp.zeros(HID + 1, model.bn.mean[...].dtype))
+        DistributedDataParallel(model).broadcast(model)
+    elif case == "broadcast_buffers_differ":
+        model = net(WORLD.rank, 100)
+        DistributedDataParallel(model, broadcast_buffers=not last).broadcast(model)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+
+
+BAD_CASES = ("tuple_loss_without_has_aux", "has_aux_without_pair", "compiled_inside_jit", "rngs_captured_outside",
+             "key_in_params", "module_to_pytree_grad_fn", "key_in_batch_compiled", "buffers_differ",
+             "broadcast_buffers_differ")
+
+
+def all_bad_cases() -> None:
+    """Each case in turn, as common.run_case reports it but prefixed `[case] ` and without exiting;
+    a barrier between cases keeps the ranks in step (every case fails before or after a collective
+    that all ranks reach, so none is left half done)."""
+    from portddp.transport import get_transport  # noqa: PLC0415
+
+    for case in BAD_CASES:
+        try:
+            bad(case)
+            line = f"[{case}] PORTDDP_NO_ERROR rank={WORLD.rank}\n"
+        except Exception as e:  # the message is what is under test
+            line = f"[{case}] PORTDDP_ERROR rank={WORLD.rank} {type(e).__name__}: {e}\n"
+        os.write(1, line.encode())  # one write() per line: mpirun never splits it
+        get_transport().barrier()
+
+
+def main(strategies):
+    """Every scenario for each of `strategies` (pmap: in a world of one, over 2 forced host devices)."""
+    for strategy in strategies:
+        if strategy != "pmap":
+            nnx_train(strategy)
+            nnx_no_dropout_vs_global_batch(strategy)
+        unused_leaves(strategy)
+        has_aux(strategy)
+    if "hooked" in strategies:
+        nnx_train("hooked", jit=True)
+        nnx_train("hooked", broadcast_buffers=False)
+
+
+if __name__ == "__main__":
+    if _BAD_CASE == "all":
+        all_bad_cases()
+    elif _BAD_CASE is not None:
+        common.run_case(WORLD.rank, bad, _BAD_CASE)
+    else:
+        main(sys.argv[1:] or ["hooked", "compiled"])
