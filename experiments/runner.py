@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import portddp
+from portddp import cluster
 from experiments.common import Memory, environment, median, write_result
 from experiments.impls import IMPLEMENTATIONS, ModelConfig, Workload, check_implementations, make_trainer
 from portddp.launch import detect
@@ -73,6 +74,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
             peak_mb[v.label] = memory.peak_mb()
         times = {label: [] for label in trainers}
         stats = {label: [] for label in trainers}
+        wire = {label: [] for label in trainers}  # on the emulated cluster: bytes this host sent per step
         order = list(trainers.items())
         for r in range(cfg.rounds):
             # Each round starts with another variant, so that none always runs right after the same one.
@@ -80,11 +82,15 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 gc.collect()  # as timeit does: no collector pause inside a timed step
                 gc.disable()
                 try:
+                    before = cluster.interface_bytes()
                     for _ in range(cfg.steps_per_round):
                         times[label].append(t.step())
                         stats[label].append(t.stats())
+                    after = cluster.interface_bytes()
                 finally:
                     gc.enable()
+                if before is not None:
+                    wire[label].append((after["tx_bytes"] - before["tx_bytes"]) / cfg.steps_per_round)
         for v in members:
             t = trainers[v.label]
             events = t.events()
@@ -95,23 +101,41 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 "metrics": _median_metrics(stats[v.label]),
                 "hlo": stats[v.label][-1].get("hlo") if stats[v.label] else None,
                 "auto": t.autotune(),
+                "wire_bytes_per_step": _hosts_mean(wire[v.label], world),
                 "events": events.to_dict() if events is not None else None,
             })
         traces += _gather_events(members, trainers)
         say(f"  [{g}/{len(groups)}] {group}: " + "  ".join(
             f"{v.label} {median(times[v.label]) * 1e3:.1f} ms" for v in members), flush=True)
         del trainers
-    command = " ".join([f"mpirun -n {world.size} python -m experiments.{name}", *sys.argv[1:]])
+    where = cluster.cluster_info()
+    if where is None:
+        command = " ".join([f"mpirun -n {world.size} python -m experiments.{name}", *sys.argv[1:]])
+        stem = f"{name}-n{world.size}"
+    else:
+        command = " ".join([f"portddp run {name} -n {world.size} --hosts {where['hosts']} --link {where['link']} --",
+                            *sys.argv[1:]])
+        stem = f"{name}-n{world.size}-h{where['hosts']}-{where['link']}"
     payload = {"experiment": name, "portddp_version": portddp.__version__, "command": command,
-               "config": dataclasses.asdict(cfg),
+               "config": dataclasses.asdict(cfg), "cluster": where,
                "world": dataclasses.asdict(world), "environment": environment(), "rows": rows}
-    payload["path"] = f"{cfg.out_dir}/{name}-n{world.size}.json"
+    payload["path"] = f"{cfg.out_dir}/{stem}.json"
     if world.rank == 0:
         path = write_result(payload["path"], payload)
-        trace = Path(cfg.out_dir) / f"{name}-n{world.size}.trace.json"
+        trace = Path(cfg.out_dir) / f"{stem}.trace.json"
         trace.write_text(chrome_trace(traces))
         print(f"wrote {path} and {trace} (open in https://ui.perfetto.dev)")
     return payload
+
+
+def _hosts_mean(samples: list[float], world) -> float | None:
+    """Bytes a host sent per step, averaged over the hosts (each host's first rank reads its
+    interface; the others report nothing); None outside the emulated cluster."""
+    from portddp.transport import get_transport  # noqa: PLC0415
+
+    mine = median(samples) if samples and world.local_rank == 0 else None
+    everyone = [x for x in get_transport().allgather_object(mine) if x is not None]
+    return sum(everyone) / len(everyone) if everyone else None
 
 
 def _model_cfg(cfg: ExperimentConfig, v: Variant) -> ModelConfig:

@@ -5,6 +5,8 @@
     portddp compare --model gpt -n 2    # mpirun -n 2 python -m comparisons.equivalence --model gpt
     portddp mixed -n 3                  # mpirun -n 3 python -m comparisons.mixed
     portddp report                      # python -m comparisons.report
+    portddp cluster -n 4 --hosts 2 --link 1gbit -- python train.py   # an emulated cluster (root)
+    portddp run overlap -n 2 --hosts 2 --link 500mbit                 # an experiment on it
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import sys
 EXPERIMENTS = ("bench", "soak", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "torch_ddp", "jax_ddp")
 
 
-def _mpirun(n: int, module: str, args: list[str]) -> int:
+def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link: str = "1gbit") -> int:
+    if hosts:
+        from portddp import cluster  # noqa: PLC0415
+
+        print(f"$ portddp cluster -n {n} --hosts {hosts} --link {link} -- python -m {module} {' '.join(args)}",
+              flush=True)
+        return cluster.main(["-n", str(n), "--hosts", str(hosts), "--link", link, "--", sys.executable, "-m",
+                             module, *args])
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
     if mpirun is None:
         raise SystemExit("mpirun not found: install portddp's dependencies (the mpich wheel provides it)")
@@ -37,15 +46,26 @@ def main(argv=None) -> int:
               sub.add_parser("mixed", help="the mixed PyTorch + JAX job under mpirun")):
         p.add_argument("-n", "--ranks", type=int, default=2, help="number of ranks (mpirun -n); "
                        "every other argument is passed on (see the module's --help)")
+        p.add_argument("--hosts", type=int, default=None, help="run on an emulated cluster of this many hosts "
+                       "(network namespaces; needs root), ranks spread evenly")
+        p.add_argument("--link", default="1gbit", help="with --hosts: each host's link rate per direction")
     sub.add_parser("report", help="build the report from result JSON (--results DIR --out DIR)")
+    sub.add_parser("cluster", help="run a command as an MPI job on an emulated cluster (-n N --hosts H "
+                   "--link RATE -- COMMAND...)", add_help=False)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["cluster"]:
+        from portddp import cluster  # noqa: PLC0415
+
+        return cluster.main(argv[1:])
     ns, extra = parser.parse_known_args(argv)
     args = [a for a in extra if a != "--"]
     if ns.command == "run":
-        return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args)
+        return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args, ns.hosts, ns.link)
     if ns.command == "compare":
-        return _mpirun(ns.ranks, "comparisons.equivalence", args)
+        return _mpirun(ns.ranks, "comparisons.equivalence", args, ns.hosts, ns.link)
     if ns.command == "mixed":
-        return _mpirun(ns.ranks, "comparisons.mixed", args)
+        return _mpirun(ns.ranks, "comparisons.mixed", args, ns.hosts, ns.link)
     from comparisons.report import main as report_main  # noqa: PLC0415
 
     return report_main(args)

@@ -26,10 +26,12 @@ rank disappears, the rank exits the same way, so no orphan is left behind.
 A goodbye is not always harmless: a rank whose loop ends early (one batch
 fewer, a `sys.exit(0)`) leaves the others waiting in a collective it will
 never join. The goodbye therefore carries how many synchronised DDP
-iterations the rank finished (`step_started`/`step_finished`, called by both
-DistributedDataParallel classes). A survivor that is inside -- or starts --
-an iteration the departed rank never reached exits the same way, naming the
-rank, its count and the fix (`join()` for uneven inputs).
+iterations the rank finished (`step_started`/`step_finished`, called by
+DistributedDataParallel). A survivor that starts an iteration the departed
+rank never reached, or is still inside one PORTDDP_EARLY_EXIT_GRACE_S seconds
+(default 2) after the goodbye, exits the same way, naming the rank, its count
+and the fix (`join()` for uneven inputs). (The grace lets a rank that left
+because of an error every rank hits -- bad input -- raise its own.)
 
 Knobs: `portddp.init(watchdog=False)` or PORTDDP_WATCHDOG=0 turns it off;
 PORTDDP_WATCHDOG_S (default 0.25 s) is how often the launcher is checked. A
@@ -137,6 +139,8 @@ class Watchdog:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending = {r: b"" for r in self.socks}
         self._departed: dict[int, int] = {}  # rank -> synchronised iterations it finished before leaving
+        self._departed_at: dict[int, float] = {}
+        self._grace_s = float(os.environ.get("PORTDDP_EARLY_EXIT_GRACE_S", 2.0))
         self._thread = threading.Thread(target=self._run, name="portddp-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.finished)
@@ -169,13 +173,21 @@ class Watchdog:
                     self._exit(what)
             if os.getppid() != self.parent:
                 self._exit(f"the launcher (pid {self.parent}) is gone")
+            for r, at in list(self._departed_at.items()):
+                if time.monotonic() - at >= self._grace_s:
+                    what = self._left_early(r)
+                    if what is not None:
+                        self._exit(what)
 
     def _verdict(self, r: int, message: bytes, closed: bool) -> str | None:
         """"" for a peer that said goodbye, the loss to report, or None (nothing decided yet)."""
         kind, text = message[:1], message[1:].decode(errors="replace").strip()
         if kind == _BYE:
+            # Judged from the thread's loop after a grace period: a rank that left because of an
+            # error this rank is about to hit as well (bad input, raised on every rank) is no culprit.
             self._departed[r] = int(text or 0)
-            return self._left_early(r) or ""
+            self._departed_at[r] = time.monotonic()
+            return ""
         if kind == _FAILED:
             return f"{self._who(r)} failed with {text}"
         if kind == _STOPPED:

@@ -1,0 +1,316 @@
+"""An emulated cluster on one machine: hosts as network namespaces, links shaped with `tc`.
+
+    portddp cluster -n 4 --hosts 2 --link 1gbit -- python -m experiments.overlap
+
+runs the command as an MPI job of 4 ranks on 2 emulated hosts (2 ranks each,
+like GPUs per node). Every host is a network namespace with its own hostname
+(a UTS namespace: `h0`, `h1`, ...), one interface `eth0` with an address in a
+private /24, joined to the others through a veth pair and a bridge (the
+switch). Both ends of each host's veth are shaped with a token bucket
+(`tc qdisc ... tbf rate RATE`), so RATE holds per direction, as on a real NIC.
+Nothing gets an address outside the job's namespaces; the root namespace's
+side of every link has none.
+
+The job is launched the way a real multi-host MPI job is: MPICH's `mpirun`
+runs on the first host with `-hosts h0,h1 -ppn K -iface eth0`, and its
+launcher ("ssh") is a small script that starts each host's proxy inside that
+host's namespace. MPICH therefore sees K ranks per host: shared memory within
+a host, TCP (libfabric's tcp provider on eth0) between hosts. Each namespace
+gets an /etc/hosts (through `ip netns exec`'s /etc/netns/NAME/) mapping every
+host name to its address, so Gloo (c10d and XLA's CPU collectives),
+jax.distributed, portddp's rendezvous and its watchdog all resolve and use the
+hosts' addresses: every implementation's traffic between hosts crosses the
+shaped links. `GLOO_SOCKET_IFNAME=eth0` pins Gloo's interface as well.
+
+Cleanup: everything is removed when the job ends -- normally, on an error, on
+Ctrl-C or SIGTERM. If the launcher itself is killed (`kill -9`), the next
+start finds the namespaces and links of jobs whose launcher is gone (by their
+`pddp<pid>` prefix), kills what still runs inside them and removes them.
+Needs root (creating network namespaces); without it, a clear error says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["Cluster", "parse_rate", "interface_bytes", "run", "cleanup_stale", "PREFIX"]
+
+PREFIX = "pddp"
+"""Every namespace and link of a job is named pddp<launcher pid>...: stale ones are found by it."""
+IFACE = "eth0"
+SUBNET = "10.213.{job}.{host}"
+NETNS_ETC = Path("/etc/netns")
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(rate: str) -> float | None:
+    """'1gbit' -> 1e9 bits/s, '500mbit', '2.5gbit', 'unlimited' -> None (no shaping)."""
+    text = str(rate).strip().lower()
+    if text in ("unlimited", "none", "inf", "0"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bit|bps|b)?(?:/s)?", text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"link rate {rate!r} not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _tc_rate(bits_per_s: float) -> str:
+    return f"{int(bits_per_s / 1e3)}kbit"
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def require_root() -> None:
+    """Network namespaces need root; say so (and what would work) instead of failing halfway."""
+    if os.geteuid() != 0:
+        raise SystemExit(
+            "portddp cluster: creating network namespaces needs root (ip netns add). Run it as root (e.g. `sudo "
+            ".venv/bin/portddp cluster ...`), or inside a user namespace where you are root: `unshare --user "
+            "--map-root-user --mount --net --fork .venv/bin/portddp cluster ...` (needs "
+            "kernel.unprivileged_userns_clone=1)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"portddp cluster: `{tool}` not found: install iproute2")
+
+
+def cleanup_stale() -> list[str]:
+    """Remove the namespaces, links and /etc/netns entries of jobs whose launcher is gone; return them."""
+    removed = []
+    names = _run("ip", "netns", "list", check=False).stdout.split()
+    links = re.findall(rf"^\d+: ({PREFIX}\d+[a-z]\d*)[@:]", _run("ip", "-o", "link", "show", check=False).stdout,
+                       re.M)
+    for name in sorted(set(n for n in names if n.startswith(PREFIX)) | set(links)):
+        m = re.match(rf"{PREFIX}(\d+)", name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        if name in names:
+            _kill_inside(name)
+            _run("ip", "netns", "del", name, check=False)
+            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+        else:
+            _run("ip", "link", "del", name, check=False)
+        removed.append(name)
+    return removed
+
+
+def _kill_inside(netns: str) -> None:
+    for pid in _run("ip", "netns", "pids", netns, check=False).stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+@dataclasses.dataclass
+class Cluster:
+    """H emulated hosts joined by a switch, each host's link shaped to `link` per direction."""
+
+    hosts: int
+    link: str = "1gbit"
+    job: int = dataclasses.field(default_factory=os.getpid)
+
+    def __post_init__(self):
+        if self.hosts < 1 or self.hosts > 250:
+            raise ValueError(f"hosts={self.hosts}: pass 1 to 250 emulated hosts")
+        self.rate = parse_rate(self.link)
+        self.names = [f"{PREFIX}{self.job}h{h}" for h in range(self.hosts)]
+        self.hostnames = [f"h{h}" for h in range(self.hosts)]
+        self.addresses = [SUBNET.format(job=self.job % 250, host=h + 1) for h in range(self.hosts)]
+        self.bridge = f"{PREFIX}{self.job}b"
+        self.uplinks = [f"{PREFIX}{self.job}v{h}" for h in range(self.hosts)]
+        self._made = False
+        self.setup_s = self.teardown_s = None
+
+    # ------------------------------------------------------------------ life cycle
+    def __enter__(self) -> "Cluster":
+        require_root()
+        cleanup_stale()
+        t0 = time.perf_counter()
+        try:
+            self._create()
+        except BaseException:
+            self.destroy()
+            raise
+        self.setup_s = time.perf_counter() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+    def _create(self) -> None:
+        self._made = True
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "link", "set", self.bridge, "up")
+        hosts_file = "127.0.0.1 localhost\n" + "".join(
+            f"{a} {n}\n" for a, n in zip(self.addresses, self.hostnames))
+        for ns, uplink, addr, hostname in zip(self.names, self.uplinks, self.addresses, self.hostnames):
+            _run("ip", "netns", "add", ns)
+            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / ns / "hosts").write_text(hosts_file)
+            (NETNS_ETC / ns / "hostname").write_text(hostname + "\n")
+            _run("ip", "link", "add", uplink, "type", "veth", "peer", "name", IFACE, "netns", ns)
+            _run("ip", "link", "set", uplink, "master", self.bridge, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE)
+            _run("ip", "-n", ns, "link", "set", IFACE, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.rate is not None:
+                # Both directions: host -> switch on the host's side, switch -> host on the bridge's.
+                # The bucket must hold a whole GSO segment (64 KB) or tbf drops it.
+                burst = max(256 * 1024, int(self.rate / 8 / 250))
+                for where in (("-n", ns, "qdisc", "add", "dev", IFACE), ("qdisc", "add", "dev", uplink)):
+                    _run("tc", *where, "root", "tbf", "rate", _tc_rate(self.rate), "burst", str(burst),
+                         "latency", "100ms")
+
+    def destroy(self) -> None:
+        if not self._made:
+            return
+        t0 = time.perf_counter()
+        for ns in self.names:
+            _kill_inside(ns)
+            _run("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        for link in [*self.uplinks, self.bridge]:
+            _run("ip", "link", "del", link, check=False)
+        self._made = False
+        self.teardown_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ running
+    def exec_prefix(self, host: int) -> list[str]:
+        """Run a command on `host`: its network namespace, its own hostname."""
+        return ["ip", "netns", "exec", self.names[host], "unshare", "--uts", "sh", "-c",
+                f'hostname {self.hostnames[host]} && exec "$@"', "sh"]
+
+    def env(self) -> dict[str, str]:
+        """What every rank needs to use the hosts' interface, whatever it talks over."""
+        return {
+            # MPICH between hosts: libfabric's tcp provider on eth0 (UCX, the other netmod, would find
+            # the other namespaces' ranks on the same machine and use shared memory across "hosts").
+            "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE,
+            "GLOO_SOCKET_IFNAME": IFACE,  # c10d's Gloo
+            "PORTDDP_CLUSTER": json.dumps({"hosts": self.hosts, "link": self.link, "rate_bps": self.rate,
+                                           "interface": IFACE, "hostnames": self.hostnames,
+                                           "addresses": self.addresses}),
+        }
+
+    def mpirun(self, n: int, command: Sequence[str], launcher_dir: str) -> list[str]:
+        """The command line that runs `command` as n ranks, n/H per host, from host 0."""
+        if n % self.hosts:
+            raise ValueError(f"-n {n} ranks do not spread evenly over {self.hosts} hosts: pass a multiple of "
+                             f"{self.hosts}")
+        ssh = Path(launcher_dir) / "to-host"
+        # hydra calls: to-host [options] HOST COMMAND...; HOST is h<i>.
+        cases = "\n".join(f"  {h}) set -- {shlex.join(self.exec_prefix(i))} ;;"
+                          for i, h in enumerate(self.hostnames))
+        ssh.write_text("#!/bin/sh\n# portddp cluster: hydra's launcher, one emulated host per namespace\n"
+                       "while [ \"${1#-}\" != \"$1\" ]; do shift; done\nhost=$1; shift\n"
+                       f"cmd=\"$*\"\ncase $host in\n{cases}\n  *) echo \"unknown host $host\" >&2; exit 2 ;;\n"
+                       "esac\nexec \"$@\" sh -c \"$cmd\"\n")
+        ssh.chmod(0o755)
+        mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+        if mpirun is None:
+            raise SystemExit("mpirun not found: install portddp's dependencies (the mpich wheel provides it)")
+        return [*self.exec_prefix(0), mpirun, "-launcher", "ssh", "-launcher-exec", str(ssh),
+                "-hosts", ",".join(self.hostnames), "-ppn", str(n // self.hosts), "-iface", IFACE,
+                "-n", str(n), *command]
+
+    def interface_bytes(self) -> list[dict]:
+        """Bytes each host's interface has sent and received so far (its namespace's counters)."""
+        out = []
+        for ns, hostname in zip(self.names, self.hostnames):
+            stats = json.loads(_run("ip", "-n", ns, "-s", "-j", "link", "show", IFACE).stdout)[0]["stats64"]
+            out.append({"host": hostname, "tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"]})
+        return out
+
+
+def interface_bytes(iface: str | None = None) -> dict | None:
+    """From inside a cluster job: this host's interface counters (tx, rx bytes), or None outside one."""
+    info = cluster_info()
+    if info is None:
+        return None
+    iface = iface or info["interface"]
+    stats = Path("/sys/class/net") / iface / "statistics"
+    return {"tx_bytes": int((stats / "tx_bytes").read_text()), "rx_bytes": int((stats / "rx_bytes").read_text())}
+
+
+def cluster_info() -> dict | None:
+    """The PORTDDP_CLUSTER description a job runs under (hosts, link, addresses), or None."""
+    info = os.environ.get("PORTDDP_CLUSTER")
+    return json.loads(info) if info else None
+
+
+def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = False) -> int:
+    """Create the cluster, run `command` on it as an n-rank MPI job, remove everything; the job's exit code."""
+    say = (lambda *a: None) if quiet else (lambda msg: print(f"portddp cluster: {msg}", file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory(prefix="portddp-cluster-") as tmp, Cluster(hosts, link) as cluster:
+        say(f"{hosts} host(s) {', '.join(f'{h}={a}' for h, a in zip(cluster.hostnames, cluster.addresses))}, "
+            f"link {link} per direction, {n // hosts} rank(s) per host (set up in {cluster.setup_s:.2f} s)")
+        before = cluster.interface_bytes()
+        argv = cluster.mpirun(n, list(command), tmp)
+        proc = subprocess.Popen(argv, env={**os.environ, **cluster.env()}, start_new_session=True)
+        try:
+            code = proc.wait()
+        except BaseException:  # Ctrl-C, SIGTERM (see main): stop the job, then clean up
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        after = cluster.interface_bytes()
+        for b, a in zip(before, after):
+            say(f"{a['host']}: sent {(a['tx_bytes'] - b['tx_bytes']) / 1e6:.1f} MB, received "
+                f"{(a['rx_bytes'] - b['rx_bytes']) / 1e6:.1f} MB")
+    say(f"removed (teardown {cluster.teardown_s:.2f} s)")
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="portddp cluster", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", "--ranks", type=int, required=True, help="MPI ranks in all")
+    parser.add_argument("--hosts", type=int, default=2, help="emulated hosts (ranks spread evenly)")
+    parser.add_argument("--link", default="1gbit", help="each host's link rate per direction (1gbit, 500mbit, "
+                        "unlimited)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs (after --)")
+    ns = parser.parse_args(argv)
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    if not command:
+        parser.error("give the command to run, e.g. -- python -m experiments.overlap")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return run(ns.ranks, ns.hosts, ns.link, command)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
