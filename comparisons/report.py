@@ -23,7 +23,7 @@ import portddp
 
 PAPER_OVERLAP = {  # DDP paper (arXiv:2006.15704) §5.1: speedup from overlapping, per backend
     "ResNet50, NCCL": 38.0, "BERT, NCCL": 35.2, "ResNet50, Gloo": 26.8, "BERT, Gloo": 21.5}
-EXPERIMENTS = ("bench", "overlap", "bucket_sweep", "no_sync", "compression", "scaling")
+EXPERIMENTS = ("bench", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "bandwidth")
 COLORS = {"native": "#1f77b4", "torch-c10d": "#ff7f0e", "torch-mpi": "#2ca02c", "jax-hooked": "#d62728",
           "jax-compiled": "#9467bd", "torch-local": "#8c564b", "jax-local": "#7f7f7f"}
 
@@ -45,7 +45,7 @@ def load(results: Path) -> tuple[dict, list[dict], list[str]]:
             problems.append(f"{path}: written by portddp {payload.get('portddp_version')}, this is "
                             f"{portddp.__version__}; rerun the experiment")
             continue
-        if name not in EXPERIMENTS or "rows" not in payload:
+        if name not in EXPERIMENTS or ("rows" not in payload and "runs" not in payload):
             problems.append(f"{path}: not a known experiment result (experiment={name!r})")
             continue
         found.setdefault(name, []).append(payload)
@@ -98,7 +98,7 @@ def plot_gantt(payload: dict, out: Path) -> Path | None:
         ax.set_xlim(left=0)
     axes[-1, 0].set_xlabel("ms since forward start (one steady-state iteration, rank 0; numbers: bucket index)")
     fig.tight_layout()
-    path = out / "gantt.png"
+    path = out / f"gantt{_where_suffix(payload)}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -175,6 +175,115 @@ def plot_scaling(payloads: list[dict], out: Path) -> Path | None:
     return path
 
 
+def _where_suffix(payload: dict) -> str:
+    c = payload.get("cluster")
+    return f"-h{c['hosts']}-{c['link']}" if c else ""
+
+
+def where(payload: dict) -> str:
+    """Where a run ran: on loopback (one machine), or on the emulated cluster."""
+    c = payload.get("cluster")
+    if not c:
+        why = payload.get("cluster_unavailable")
+        return ("one machine, ranks over shared memory / loopback"
+                + (f"; no emulated cluster could be made here: {why}" if why else ""))
+    per = payload["world"]["size"] // c["hosts"]
+    return f"emulated cluster: {c['hosts']} hosts x {per} rank(s), {c['link']} links"
+
+
+def _speedups(payload: dict) -> dict[str, float]:
+    rows = {r["label"]: r for r in payload["rows"]}
+    return {r["impl"]: rows[f"{r['impl']} (no overlap)"]["median_s"] / r["median_s"] - 1
+            for r in payload["rows"] if r["params"].get("overlap") is True and f"{r['impl']} (no overlap)" in rows}
+
+
+def plot_bandwidth(payload: dict, out: Path) -> Path | None:
+    """Overlap speedup against link rate, per implementation, beside the DDP paper's figures."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    points: dict[str, list] = {}
+    unlimited_x = None
+    for run in payload["runs"]:
+        rate = run["cluster"]["rate_bps"]
+        for impl, sp in _speedups(run).items():
+            points.setdefault(impl, []).append((rate, sp * 100))
+    finite = [r for pts in points.values() for r, _ in pts if r]
+    if not finite:
+        return None
+    unlimited_x = max(finite) * 2.5
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for impl, pts in sorted(points.items()):
+        pts = sorted((r or unlimited_x, sp) for r, sp in pts)
+        ax.plot([r / 1e6 for r, _ in pts], [sp for _, sp in pts], "o-", label=impl, color=COLORS.get(impl))
+    for (name, value), style in zip(PAPER_OVERLAP.items(), ("--", "--", ":", ":")):
+        ax.axhline(value, color="#999", linestyle=style, linewidth=0.8)
+        ax.text(min(finite) / 1e6, value + 0.6, f"paper: {name} {value} %", fontsize=7, color="#666")
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xscale("log")
+    ticks = sorted({r for r in finite} | {unlimited_x})
+    ax.set_xticks([t / 1e6 for t in ticks], [f"{t / 1e6:.0f}" if t != unlimited_x else "unlimited" for t in ticks])
+    ax.set_xlabel("link rate per host and direction (Mbit/s)")
+    ax.set_ylabel("overlap speedup: t(off) / t(on) - 1 (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "bandwidth.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def wire_section(payload: dict) -> str:
+    """On the cluster: each implementation's iteration beside the bound forward + max(backward, wire
+    time), and the bytes its hosts sent per step beside what the plan implies."""
+    c, n = payload["cluster"], payload["world"]["size"]
+    rows = {r["label"]: r for r in payload["rows"]}
+    body = []
+    for r in payload["rows"]:
+        if r["impl"].endswith("-local") or not r.get("param_bytes"):
+            continue
+        framework = "jax" if r["impl"].startswith("jax") else "torch"
+        local = rows.get(f"{framework}-local")
+        ref = rows.get("jax-hooked (no overlap)" if framework == "jax" else "torch-c10d (no overlap)")
+        implied = r["param_bytes"] * 2 * (n - 1) / n  # a ring all-reduce: what each host sends per step
+        wire_s = implied * 8 / c["rate_bps"] if c.get("rate_bps") else None
+        bound = None
+        if local and ref and wire_s is not None:
+            bwd = ref["metrics"].get("backward_compute_time")
+            if bwd:
+                bound = local["median_s"] - bwd + max(bwd, wire_s)
+        sent = r.get("wire_bytes_per_step")
+        body.append([r["label"], f"{r['median_s'] * 1e3:.1f}", f"{bound * 1e3:.1f}" if bound else "–",
+                     f"{r['median_s'] / bound:.2f}" if bound else "–",
+                     f"{sent / 1e6:.1f}" if sent else "–", f"{implied / 1e6:.1f}",
+                     f"{sent / implied:.3f}" if sent else "–"])
+    return ("\n### On the wire\n\n" + table(
+        ["variant", "ms / iteration", "bound (ms)", "vs bound", "MB sent per host per step",
+         "MB the plan implies", "sent / implied"], body)
+        + f"\n\nBound: the framework's step without communication, with its backward pass (measured, overlap "
+          f"off) replaced by max(backward, wire time); wire time = the bytes a ring all-reduce of the gradients "
+          f"makes each host send, 2(n-1)/n x gradient bytes, at {c['link']}. *Sent*: the host's interface "
+          "counter over the timed steps (TCP/IP headers included, ~3-5 %), averaged over hosts. A transport "
+          "that bypassed the link would show (almost) nothing here.\n")
+
+
+def bandwidth_section(payload: dict) -> str:
+    body = []
+    for run in payload["runs"]:
+        sp = _speedups(run)
+        body.append([run["cluster"]["link"]] + [f"{sp[i] * 100:.1f} %" if i in sp else "–"
+                                                for i in ("torch-c10d", "torch-mpi", "jax-hooked")])
+    cal = payload.get("calibration")
+    note = (f" The matched rate came from a calibration run: backward compute "
+            f"{cal['backward_compute_s'] * 1e3:.0f} ms and {cal['wire_bytes_per_step'] / 1e6:.1f} MB per host per "
+            f"step on an unshaped link, so {cal['rate_mbit']} Mbit/s.") if cal else ""
+    return (table(["link", "torch-c10d", "torch-mpi", "jax-hooked"], body)
+            + "\n\nOverlap speedup t(off) / t(on) − 1 at each link rate, one fresh emulated cluster per rate "
+              "(each run's full tables are in its own JSON)." + note + "\n")
+
+
 # ------------------------------------------------------------------- tables
 def table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -200,8 +309,12 @@ def overlap_section(payload: dict) -> str:
                    "exposed comm (ms)"], out)
             + "\n\nTimes: median (25th–75th percentile) of the timed iterations; a speedup smaller than that "
               f"spread is noise. Speedup = t(off) / t(on) − 1. The DDP paper's §5.1 reports, on 32 GPUs: {paper}. "
-              "Here two CPU ranks share two cores, so computation and communication also compete for the same "
-              "cores: overlap can only hide the waiting, not the work of reducing.\n")
+              + ("On the emulated cluster communication waits on a shaped link, as on a real network; the ranks "
+                 "still share this machine's cores, so the TCP stack's work competes with compute."
+                 if payload.get("cluster") else
+                 "Here the ranks share the cores and communicate through memory, so computation and "
+                 "communication compete for the same cores: overlap can only hide the waiting, not the work of "
+                 "reducing.") + "\n")
 
 
 def _ms_spread(row: dict) -> str:
@@ -294,10 +407,21 @@ def build(results: Path, out: Path) -> Path:
         sections.append(("Numerical equivalence", equivalence_section(equivalence), None))
     if "bench" in found:
         sections.append(("Benchmark", bench_section(found["bench"][-1]), None))
-    if "overlap" in found:
-        p = found["overlap"][-1]
-        sections.append(("Where the time goes: one iteration per implementation", "", plot_gantt(p, out)))
-        sections.append(("Overlap on vs off", overlap_section(p) + native_metrics_section(p), None))
+    # The newest overlap run on one machine and on each cluster shape (the cluster's first).
+    overlaps = {}
+    for p in found.get("overlap", []):
+        overlaps[_where_suffix(p)] = p
+    for key in sorted(overlaps, key=lambda k: (k == "", k)):
+        p = overlaps[key]
+        sections.append((f"Where the time goes: one iteration per implementation ({where(p)})", "",
+                         plot_gantt(p, out)))
+        wire = wire_section(p) if p.get("cluster") else ""
+        sections.append((f"Overlap on vs off ({where(p)})", overlap_section(p) + wire + native_metrics_section(p),
+                         None))
+    if "bandwidth" in found:
+        p = found["bandwidth"][-1]
+        sections.append((f"Overlap against bandwidth ({where(p['runs'][0])})", bandwidth_section(p),
+                         plot_bandwidth(p, out)))
     if "bucket_sweep" in found:
         p = found["bucket_sweep"][-1]
         sections.append(("Bucket size", generic_section(p), plot_buckets(p, out)))
@@ -311,7 +435,7 @@ def build(results: Path, out: Path) -> Path:
     if not sections:
         skipped = "".join(f"\n  skipped {p}" for p in problems)
         raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
-    any_payload = next((ps[-1] for ps in found.values()), None)
+    any_payload = next((ps[-1] for ps in found.values() if "environment" in ps[-1]), None)
     env = any_payload["environment"] if any_payload else {}
     head = (f"# portddp report\n\nGenerated {datetime.datetime.now():%Y-%m-%d %H:%M} from `{results}` by "
             f"`python -m comparisons.report`. Machine: {env.get('cpus', '?')} CPUs, {env.get('machine', '?')}; "

@@ -154,6 +154,10 @@ class TorchTrainer:
         stats = getattr(self.wrapped, "stats", None)
         return stats().get("events") if stats else None
 
+    def param_bytes(self) -> int:
+        """Bytes of the trainable parameters: what one all-reduce per step carries."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+
     def grad_mb(self) -> float | None:
         """Memory holding gradients after a step: every distinct storage behind a .grad, plus
         portddp's bucket buffers (with gradient_as_bucket_view they are the same storage).
@@ -264,6 +268,10 @@ class JaxTrainer:
 
     def autotune(self) -> dict | None:
         return self.ddp.stats().get("autotune") if self.ddp is not None else None
+
+    def param_bytes(self) -> int:
+        """Bytes of the trainable parameters: what one all-reduce per step carries."""
+        return sum(x.nbytes for x in self._jax.tree.leaves(self.params))
 
     def grad_mb(self) -> float | None:
         """The gradient pytree of the last step plus, for hooked, the host bucket buffers."""

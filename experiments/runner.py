@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -101,7 +102,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 "metrics": _median_metrics(stats[v.label]),
                 "hlo": stats[v.label][-1].get("hlo") if stats[v.label] else None,
                 "auto": t.autotune(),
-                "wire_bytes_per_step": _hosts_mean(wire[v.label], world),
+                "wire_bytes_per_step": _hosts_mean(wire[v.label], world), "param_bytes": t.param_bytes(),
                 "events": events.to_dict() if events is not None else None,
             })
         traces += _gather_events(members, trainers)
@@ -118,6 +119,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         stem = f"{name}-n{world.size}-h{where['hosts']}-{where['link']}"
     payload = {"experiment": name, "portddp_version": portddp.__version__, "command": command,
                "config": dataclasses.asdict(cfg), "cluster": where,
+               "cluster_unavailable": os.environ.get("PORTDDP_CLUSTER_UNAVAILABLE"),
                "world": dataclasses.asdict(world), "environment": environment(), "rows": rows}
     payload["path"] = f"{cfg.out_dir}/{stem}.json"
     if world.rank == 0:

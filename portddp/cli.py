@@ -20,9 +20,23 @@ import sys
 EXPERIMENTS = ("bench", "soak", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "torch_ddp", "jax_ddp")
 
 
-def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link: str = "1gbit") -> int:
+def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link: str = "1gbit",
+            fallback: bool = False) -> int:
     if hosts:
         from portddp import cluster  # noqa: PLC0415
+
+        why = cluster.unavailable()
+        if why is not None:
+            if not fallback:
+                raise SystemExit(f"portddp: no emulated cluster here: {why}")
+            print(f"portddp: no emulated cluster here ({why}): running on this machine's loopback instead",
+                  flush=True)
+            os.environ["PORTDDP_CLUSTER_UNAVAILABLE"] = why
+            return _mpirun(n, module, args)
+        if link == "matched":
+            from experiments.bandwidth import matched_rate  # noqa: PLC0415
+
+            link, _ = matched_rate(n, hosts, args)
 
         print(f"$ portddp cluster -n {n} --hosts {hosts} --link {link} -- python -m {module} {' '.join(args)}",
               flush=True)
@@ -48,7 +62,11 @@ def main(argv=None) -> int:
                        "every other argument is passed on (see the module's --help)")
         p.add_argument("--hosts", type=int, default=None, help="run on an emulated cluster of this many hosts "
                        "(network namespaces; needs root), ranks spread evenly")
-        p.add_argument("--link", default="1gbit", help="with --hosts: each host's link rate per direction")
+        p.add_argument("--link", default="1gbit", help="with --hosts: each host's link rate per direction, or "
+                       "'matched': the rate at which the gradients' wire time equals the backward compute time "
+                       "(measured first)")
+        p.add_argument("--or-loopback", action="store_true", help="with --hosts: where no cluster can be made, "
+                       "run on this machine instead (the results say why)")
     sub.add_parser("report", help="build the report from result JSON (--results DIR --out DIR)")
     sub.add_parser("cluster", help="run a command as an MPI job on an emulated cluster (-n N --hosts H "
                    "--link RATE -- COMMAND...)", add_help=False)
@@ -61,7 +79,7 @@ def main(argv=None) -> int:
     ns, extra = parser.parse_known_args(argv)
     args = [a for a in extra if a != "--"]
     if ns.command == "run":
-        return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args, ns.hosts, ns.link)
+        return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args, ns.hosts, ns.link, ns.or_loopback)
     if ns.command == "compare":
         return _mpirun(ns.ranks, "comparisons.equivalence", args, ns.hosts, ns.link)
     if ns.command == "mixed":

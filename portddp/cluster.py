@@ -101,6 +101,30 @@ def require_root() -> None:
             raise SystemExit(f"portddp cluster: `{tool}` not found: install iproute2")
 
 
+def unavailable() -> str | None:
+    """Why an emulated cluster cannot be made here (None: it can): root, iproute2, namespaces, tbf."""
+    if os.geteuid() != 0:
+        return "not root (network namespaces need root)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found (iproute2)"
+    probe = f"{PREFIX}{os.getpid()}probe"
+    try:
+        made = _run("ip", "netns", "add", probe, check=False)
+        if made.returncode != 0:
+            return f"cannot create a network namespace: {made.stderr.strip()}"
+        link = _run("ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1", check=False)
+        if link.returncode != 0:
+            return f"cannot create veth links: {link.stderr.strip()}"
+        tbf = _run("tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit", "burst", "256kb",
+                   "latency", "100ms", check=False)
+        if tbf.returncode != 0:
+            return f"cannot shape links with tc tbf: {tbf.stderr.strip()}"
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
 def cleanup_stale() -> list[str]:
     """Remove the namespaces, links and /etc/netns entries of jobs whose launcher is gone; return them."""
     removed = []
@@ -134,6 +158,7 @@ class Cluster:
     hosts: int
     link: str = "1gbit"
     job: int = dataclasses.field(default_factory=os.getpid)
+    mtu: int = int(os.environ.get("PORTDDP_CLUSTER_MTU", 1500))
 
     def __post_init__(self):
         if self.hosts < 1 or self.hosts > 250:
@@ -176,6 +201,9 @@ class Cluster:
             (NETNS_ETC / ns / "hostname").write_text(hostname + "\n")
             _run("ip", "link", "add", uplink, "type", "veth", "peer", "name", IFACE, "netns", ns)
             _run("ip", "link", "set", uplink, "master", self.bridge, "up")
+            if self.mtu != 1500:
+                _run("ip", "link", "set", uplink, "mtu", str(self.mtu))
+                _run("ip", "-n", ns, "link", "set", IFACE, "mtu", str(self.mtu))
             _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE)
             _run("ip", "-n", ns, "link", "set", IFACE, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
@@ -296,12 +324,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(prog="portddp cluster", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--ranks", type=int, required=True, help="MPI ranks in all")
+    parser.add_argument("-n", "--ranks", type=int, default=2, help="MPI ranks in all")
     parser.add_argument("--hosts", type=int, default=2, help="emulated hosts (ranks spread evenly)")
     parser.add_argument("--link", default="1gbit", help="each host's link rate per direction (1gbit, 500mbit, "
                         "unlimited)")
+    parser.add_argument("--check", action="store_true", help="only say whether a cluster can be made here")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs (after --)")
     ns = parser.parse_args(argv)
+    if ns.check:
+        why = unavailable()
+        print("portddp cluster: available" if why is None else f"portddp cluster: unavailable: {why}")
+        return 0 if why is None else 1
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
         parser.error("give the command to run, e.g. -- python -m experiments.overlap")

@@ -175,7 +175,9 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
     import torch  # noqa: PLC0415
 
     if num_threads is None:
-        num_threads = max(1, (os.cpu_count() or 1) // max(1, w.local_size))
+        # On an emulated cluster (portddp.cluster) every "host" shares this machine's cores.
+        sharing = w.size if "PORTDDP_CLUSTER" in os.environ else w.local_size
+        num_threads = max(1, (os.cpu_count() or 1) // max(1, sharing))
     torch.set_num_threads(num_threads)
     threadpoolctl.threadpool_limits(num_threads)
     if num_threads == 1 and "jax" not in sys.modules:

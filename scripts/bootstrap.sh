@@ -23,7 +23,9 @@ task=${1:-}
 case "$task" in
   demo) portddp compare -n 2 --model gpt --steps 10 --dtype float64 --optimizer adamw
         portddp mixed -n 2
-        portddp run overlap -n 2
+        # The overlap study on a 2-host emulated cluster, at the link rate where the gradients' wire time
+        # equals the backward compute time (measured and printed first); on loopback where no cluster can be made.
+        portddp run overlap -n 2 --hosts 2 --link matched --or-loopback -- --batch 2048
         portddp run bucket_sweep -n 2 --rounds 2 --steps-per-round 3
         exec portddp report --results results --out reports/latest ;;
   test) exec python -m pytest "$@" ;;
