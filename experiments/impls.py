@@ -165,7 +165,7 @@ class TorchTrainer:
         if self.impl == "native":
             return None
         tensors = [p.grad for p in self.model.parameters() if p.grad is not None]
-        tensors += getattr(self.wrapped, "_buffers", [])
+        tensors += getattr(self.wrapped, "_bucket_buffers", [])
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values()) / 2**20
 
