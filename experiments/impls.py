@@ -158,6 +158,11 @@ class TorchTrainer:
         """Bytes of the trainable parameters: what one all-reduce per step carries."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
+    def plan(self) -> dict | None:
+        """The bucket plan in use (its JSON form), for portddp.simulate to re-plan from."""
+        plan = getattr(self.wrapped, "bucket_plan", None)
+        return plan.to_dict() if plan is not None else None
+
     def grad_mb(self) -> float | None:
         """Memory holding gradients after a step: every distinct storage behind a .grad, plus
         portddp's bucket buffers (with gradient_as_bucket_view they are the same storage).
@@ -272,6 +277,10 @@ class JaxTrainer:
     def param_bytes(self) -> int:
         """Bytes of the trainable parameters: what one all-reduce per step carries."""
         return sum(x.nbytes for x in self._jax.tree.leaves(self.params))
+
+    def plan(self) -> dict | None:
+        """The bucket plan in use (its JSON form), for portddp.simulate to re-plan from."""
+        return self.ddp.bucket_plan.to_dict() if self.ddp is not None else None
 
     def grad_mb(self) -> float | None:
         """The gradient pytree of the last step plus, for hooked, the host bucket buffers."""

@@ -103,6 +103,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 "hlo": stats[v.label][-1].get("hlo") if stats[v.label] else None,
                 "auto": t.autotune(),
                 "wire_bytes_per_step": _hosts_mean(wire[v.label], world), "param_bytes": t.param_bytes(),
+                "plan": t.plan(),
                 "events": events.to_dict() if events is not None else None,
             })
         traces += _gather_events(members, trainers)

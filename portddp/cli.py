@@ -7,6 +7,7 @@
     portddp report                      # python -m comparisons.report
     portddp cluster -n 4 --hosts 2 --link 1gbit -- python train.py   # an emulated cluster (root)
     portddp run overlap -n 2 --hosts 2 --link 500mbit                 # an experiment on it
+    portddp simulate results/overlap-n2-h2-600mbit.json --world 64 --link 10gbit --bucket-cap 4
 """
 
 from __future__ import annotations
@@ -68,10 +69,16 @@ def main(argv=None) -> int:
         p.add_argument("--or-loopback", action="store_true", help="with --hosts: where no cluster can be made, "
                        "run on this machine instead (the results say why)")
     sub.add_parser("report", help="build the report from result JSON (--results DIR --out DIR)")
+    sub.add_parser("simulate", help="predict an iteration at another scale from a measured one (RESULT.json "
+                   "--world N --link RATE --bucket-cap MB ...)", add_help=False)
     sub.add_parser("cluster", help="run a command as an MPI job on an emulated cluster (-n N --hosts H "
                    "--link RATE -- COMMAND...)", add_help=False)
     if argv is None:
         argv = sys.argv[1:]
+    if argv[:1] == ["simulate"]:
+        from portddp import simulate  # noqa: PLC0415
+
+        return simulate.main(argv[1:])
     if argv[:1] == ["cluster"]:
         from portddp import cluster  # noqa: PLC0415
 

@@ -1,0 +1,379 @@
+"""Predict a DDP iteration at another scale from one measured iteration (trace-driven, numpy only).
+
+    from portddp.simulate import Trace, fit_link, simulate
+    trace = Trace.from_row(row, world=2)                 # a row of an experiment's JSON (events + plan)
+    link = fit_link(samples_from_trace(off_trace, rate_bps=1e9))
+    p = simulate(trace, link, world=64, rate_bps=10e9, bucket_cap_mb=4)
+    p.iteration_s, p.exposed_comm_s, p.overlap_ratio, p.buckets
+
+The model, in the spirit of Daydream (one task per bucket, replayed on the
+measured timeline) and Echo (compute slowed by overlapping communication):
+
+* Compute comes from the trace: forward time, backward time, and when each
+  bucket became ready. Re-planning with other caps needs per-parameter ready
+  times: within a bucket, parameters are taken to finish in buffer order,
+  spread over the time since the previous bucket by their bytes. The new plan
+  comes from `portddp.buckets` (the rebuilt plan's order is the observed one).
+* Communication: buckets are reduced one at a time, in plan order (one comm
+  thread / one Gloo queue), each starting when it is ready and the previous
+  one is done (`overlap=False`: all after backward). A ring all-reduce of B
+  bytes over n ranks makes each host send s = 2(n-1)/n * B; it takes
+  2(n-1) * alpha + max(s * 8 / rate, s * host_s_per_byte): the wire and the
+  hosts' own per-byte work (copies, reduction, the TCP stack) run pipelined, the
+  slower one sets the pace. alpha and host_s_per_byte are fitted (`fit_link`)
+  from bucket durations measured without overlap, at a known link rate.
+* Contention: on hosts whose cores also run communication, backward compute
+  stretches by (1 + kappa * f), f the fraction of backward time communication
+  runs beside it. kappa is measured: the same implementation's backward with
+  overlap on vs off (`fit_contention`).
+* The rest of the step (optimizer, data) is taken from the trace as measured.
+
+Outputs use portddp.timeline's metric definitions. Knobs: world size, link
+rate, bucket caps, overlap on/off, compression (bytes x 0.5 for fp16/bf16),
+no_sync every k steps, compute scale (a faster device: < 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from portddp.buckets import BucketPlan, plan_buckets, rebuild_plan
+from portddp.timeline import union_length
+
+__all__ = ["Trace", "LinkModel", "Model", "Prediction", "fit_link", "fit_contention", "samples_from_trace", "simulate",
+           "parse_rate"]
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(rate: str) -> float | None:
+    """'10gbit' -> 1e10 bits/s; 'unlimited' -> None (the cluster's parser, without importing it)."""
+    text = str(rate).strip().lower()
+    if text in ("unlimited", "none", "inf"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bit|bps|b)?(?:/s)?", text)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"link rate {rate!r} not understood: use e.g. 10gbit, 500mbit, or unlimited")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """One steady-state iteration of one implementation, times in seconds from forward start."""
+
+    forward_s: float
+    backward_s: float  # forward end -> last gradient
+    ready_s: tuple[float, ...]  # per bucket, from forward end
+    bucket_bytes: tuple[int, ...]
+    launch_s: tuple[float, ...]
+    done_s: tuple[float, ...]
+    finalize_s: float  # last of (backward end, last bucket done) -> gradients written
+    other_s: float  # the rest of the measured step (optimizer, data)
+    world: int
+    plan: BucketPlan | None = None
+    caps_mb: tuple[float, float] | None = None  # (bucket_cap_mb, first_bucket_cap_mb) of the plan
+
+    @classmethod
+    def from_row(cls, row: dict, world: int) -> "Trace":
+        """From a row of an experiment JSON (experiments/runner.py): events, plan, median step time."""
+        ev = row.get("events")
+        if not ev or not ev.get("forward_end_ns") or not ev.get("buckets"):
+            raise ValueError(f"{row.get('label')!r} has no per-bucket events (a compiled strategy schedules its "
+                             "all-reduces inside XLA): it cannot be replayed bucket by bucket")
+        trace = cls.from_events(ev, row["median_s"], world, BucketPlan.from_dict(row["plan"]) if row.get("plan")
+                                else None, _caps(row.get("knobs", {})))
+        # The events are one iteration's; the row's medians over every timed iteration are steadier:
+        # backward (ready times scaled alike) and the rest of the step come from them.
+        m = row.get("metrics") or {}
+        backward = m.get("backward_compute_time")
+        if backward and trace.backward_s > 0:
+            k = backward / trace.backward_s
+            trace = dataclasses.replace(trace, backward_s=backward, ready_s=tuple(r * k for r in trace.ready_s))
+        if m.get("iteration_time"):
+            trace = dataclasses.replace(trace, other_s=max(0.0, row["median_s"] - m["iteration_time"]))
+        return trace
+
+    @classmethod
+    def from_events(cls, ev: dict, step_s: float, world: int, plan: BucketPlan | None = None,
+                    caps_mb: tuple[float, float] | None = None) -> "Trace":
+        t0, fe = ev["forward_start_ns"], ev["forward_end_ns"]
+        buckets = sorted(ev["buckets"], key=lambda b: b["index"])
+        last = max([ev["backward_end_ns"]] + [b["done_ns"] for b in buckets])
+        return cls(
+            forward_s=(fe - t0) * 1e-9, backward_s=(ev["backward_end_ns"] - fe) * 1e-9,
+            ready_s=tuple((b["ready_ns"] - fe) * 1e-9 for b in buckets),
+            bucket_bytes=tuple(b["nbytes"] for b in buckets),
+            launch_s=tuple((b["launch_ns"] - t0) * 1e-9 for b in buckets),
+            done_s=tuple((b["done_ns"] - t0) * 1e-9 for b in buckets),
+            finalize_s=max(0.0, (ev["finalize_end_ns"] - last) * 1e-9),
+            other_s=max(0.0, step_s - (ev["finalize_end_ns"] - t0) * 1e-9), world=world, plan=plan,
+            caps_mb=caps_mb)
+
+    @property
+    def step_s(self) -> float:
+        return self.done_or_end() + self.finalize_s + self.other_s
+
+    def done_or_end(self) -> float:
+        return max([self.forward_s + self.backward_s, *self.done_s])
+
+    def param_ready_s(self) -> list[float]:
+        """Per parameter (plan spec index): when its gradient was ready, from forward end."""
+        if self.plan is None:
+            raise ValueError("this trace has no bucket plan: re-planning needs one (rows of portddp's DDPs have it)")
+        ready = [0.0] * len(self.plan.specs)
+        prev = 0.0
+        for b, bucket in enumerate(self.plan.buckets):
+            sizes = np.array([self.plan.specs[p].nbytes for p in bucket.params], dtype=float)
+            ends = prev + (self.ready_s[b] - prev) * np.cumsum(sizes) / max(sizes.sum(), 1.0)
+            for p, t in zip(bucket.params, ends):
+                ready[p] = float(t)
+            prev = max(prev, self.ready_s[b])
+        return ready
+
+
+def _caps(knobs: dict) -> tuple[float, float] | None:
+    if "bucket_cap_mb" not in knobs or isinstance(knobs["bucket_cap_mb"], str):
+        return None
+    cap = float(knobs["bucket_cap_mb"])
+    return cap, float(knobs.get("first_bucket_cap_mb", min(1.0, cap)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """All-reduce time: 2(n-1) * alpha + max(wire, host) for s = 2(n-1)/n * bytes sent per host."""
+
+    alpha_s: float
+    host_s_per_byte: float
+    rate_bps: float | None = None  # where it was fitted (informative)
+
+    def allreduce_s(self, nbytes: float, world: int, rate_bps: float | None) -> float:
+        if world <= 1:
+            return 0.0
+        sent = 2 * (world - 1) / world * nbytes
+        wire = sent * 8 / rate_bps if rate_bps else 0.0
+        return 2 * (world - 1) * self.alpha_s + max(wire, sent * self.host_s_per_byte)
+
+
+def samples_from_trace(trace: Trace, rate_bps: float | None) -> list[tuple[int, int, float | None, float]]:
+    """(bytes, world, rate, seconds) per bucket of an iteration without overlap: each bucket's time from
+    the later of its launch and the previous bucket's end (the transport runs them one at a time)."""
+    out, prev_done = [], 0.0
+    for nbytes, launch, done in zip(trace.bucket_bytes, trace.launch_s, trace.done_s):
+        start = max(launch, prev_done)
+        if done > start:
+            out.append((nbytes, trace.world, rate_bps, done - start))
+        prev_done = done
+    return out
+
+
+def fit_link(samples: Sequence[tuple[int, int, float | None, float]]) -> LinkModel:
+    """Least-squares alpha and host_s_per_byte over measured all-reduces (bytes, world, rate, seconds)."""
+    if not samples:
+        raise ValueError("fit_link needs at least one measured all-reduce")
+    b = np.array([s[0] for s in samples], float)
+    n = np.array([s[1] for s in samples], float)
+    rate = np.array([s[2] or np.inf for s in samples], float)
+    t = np.array([s[3] for s in samples], float)
+    sent = 2 * (n - 1) / n * b
+    wire = sent * 8 / rate
+    hops = 2 * (n - 1)
+    best = (math.inf, 0.0, 0.0)
+
+    def consider(grid):
+        nonlocal best
+        # t = hops * alpha + max(wire, sent * h): for each h, alpha in closed form (>= 0).
+        for h in grid:
+            rest = t - np.maximum(wire, sent * h)
+            alpha = max(0.0, float(np.sum(rest * hops) / np.sum(hops * hops)))
+            err = float(np.sum((rest - hops * alpha) ** 2))
+            if err < best[0]:
+                best = (err, alpha, float(h))
+
+    consider(np.concatenate([[0.0], np.logspace(-12, -6, 241)]))  # coarse, then around the best
+    if best[2] > 0:
+        consider(np.linspace(best[2] / 1.07, best[2] * 1.07, 281))
+    rates = {s[2] for s in samples}
+    return LinkModel(best[1], best[2], rates.pop() if len(rates) == 1 else None)
+
+
+def fit_contention(on: Trace, off: Trace) -> float:
+    """kappa: backward with overlap = backward alone x (1 + kappa x the fraction of it beside communication)."""
+    frac = _busy_fraction(on.forward_s, on.backward_s, on.launch_s, on.done_s)
+    if frac <= 0.02 or off.backward_s <= 0:
+        return 0.0
+    return max(0.0, (on.backward_s / off.backward_s - 1) / frac)
+
+
+def fit_comm_contention(on: Trace, link: LinkModel, rate_bps: float | None) -> float:
+    """kappa_comm: an all-reduce that runs beside backward compute takes (1 + kappa_comm) x its time alone
+    (the median over the buckets of an overlapped iteration that started before backward ended)."""
+    end = on.forward_s + on.backward_s
+    ratios = [s[3] / link.allreduce_s(s[0], on.world, rate_bps) - 1
+              for s, start in zip(samples_from_trace(on, rate_bps), _starts(on)) if start < end]
+    ratios = [r for r in ratios if math.isfinite(r)]
+    return max(0.0, float(np.median(ratios))) if ratios else 0.0
+
+
+def _starts(trace: Trace) -> list[float]:
+    out, prev = [], 0.0
+    for launch, done in zip(trace.launch_s, trace.done_s):
+        out.append(max(launch, prev))
+        prev = done
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What is fitted at one measured point: the link, and both contention terms."""
+
+    link: LinkModel
+    kappa: float = 0.0  # compute slowed by communication beside it
+    kappa_comm: float = 0.0  # communication slowed by compute beside it
+
+    @classmethod
+    def fit(cls, on: Trace, off: Trace, rate_bps: float | None) -> "Model":
+        """From one implementation's iteration with overlap (on) and without (off), at a known link rate."""
+        link = fit_link(samples_from_trace(off, rate_bps))
+        return cls(link, fit_contention(on, off), fit_comm_contention(on, link, rate_bps))
+
+
+def _busy_fraction(forward_s: float, backward_s: float, starts, ends) -> float:
+    if backward_s <= 0:
+        return 0.0
+    hidden = union_length(list(zip(starts, ends)), clip=(forward_s, forward_s + backward_s))
+    return hidden / backward_s
+
+
+@dataclasses.dataclass
+class Prediction:
+    iteration_s: float  # forward start -> gradients written (the DDP part of a step)
+    step_s: float  # + the rest of the measured step (optimizer, data), averaged over no_sync periods
+    backward_s: float
+    exposed_comm_s: float
+    overlap_ratio: float
+    buckets: list[dict]  # per bucket: bytes, ready, start, end (seconds from forward start)
+
+    def summary(self) -> str:
+        return (f"step {self.step_s * 1e3:.1f} ms (iteration {self.iteration_s * 1e3:.1f} ms: backward "
+                f"{self.backward_s * 1e3:.1f} ms, exposed communication {self.exposed_comm_s * 1e3:.1f} ms, overlap "
+                f"ratio {self.overlap_ratio:.2f}, {len(self.buckets)} buckets)")
+
+
+def simulate(trace: Trace, model: "Model | LinkModel", *, world: int | None = None, rate_bps: float | None = None,
+             bucket_cap_mb: float | None = None, first_bucket_cap_mb: float | None = None, overlap: bool = True,
+             compression: float = 1.0, no_sync_every: int = 1, compute_scale: float = 1.0) -> Prediction:
+    """One iteration at the given point, from a trace measured at another.
+
+    compression: bytes on the wire x this (0.5 for fp16/bf16 hooks). compute_scale: compute time x
+    this (0.5: a device twice as fast). A bare LinkModel means no contention terms."""
+    if isinstance(model, LinkModel):
+        model = Model(model)
+    link, kappa = model.link, model.kappa
+    world = world or trace.world
+    if no_sync_every < 1 or compute_scale <= 0 or not 0 < compression <= 1:
+        raise ValueError(f"no_sync_every={no_sync_every} (>= 1), compute_scale={compute_scale} (> 0), "
+                         f"compression={compression} (0 < c <= 1)")
+    ready, nbytes = _buckets(trace, bucket_cap_mb, first_bucket_cap_mb)
+    forward = trace.forward_s * compute_scale
+    base_backward = trace.backward_s * compute_scale
+    ready = [r * compute_scale for r in ready]
+    durations = [link.allreduce_s(b * compression, world, rate_bps) for b in nbytes]
+    stretch = 1.0
+    for _ in range(8):  # contention: backward stretched by the communication running beside it
+        r = [x * stretch for x in ready]
+        backward = base_backward * stretch
+        starts, ends, prev = [], [], 0.0
+        for ready_b, d in zip(r, durations):
+            start = max(forward + (ready_b if overlap else backward), prev)
+            if start < forward + backward:  # beside compute: the shared cores slow it down
+                d *= 1 + model.kappa_comm
+            starts.append(start)
+            ends.append(start + d)
+            prev = start + d
+        new = 1.0 + kappa * _busy_fraction(forward, backward, starts, ends)
+        if abs(new - stretch) < 1e-6:
+            break
+        stretch = new
+    end = max([forward + backward, *ends]) + trace.finalize_s
+    comm = union_length(list(zip(starts, ends)))
+    hidden = union_length(list(zip(starts, ends)), clip=(forward, forward + backward))
+    synced_step = end + trace.other_s * compute_scale
+    local_step = (trace.forward_s + trace.backward_s + trace.other_s) * compute_scale
+    return Prediction(
+        iteration_s=end, step_s=((no_sync_every - 1) * local_step + synced_step) / no_sync_every,
+        backward_s=backward, exposed_comm_s=max(0.0, max(ends, default=0.0) - (forward + backward)),
+        overlap_ratio=hidden / comm if comm > 0 else 0.0,
+        buckets=[{"bytes": int(b), "ready_s": forward + x, "start_s": s, "end_s": e}
+                 for b, x, s, e in zip(nbytes, r, starts, ends)])
+
+
+def _buckets(trace: Trace, cap_mb: float | None, first_mb: float | None) -> tuple[list[float], list[int]]:
+    """(ready time from forward end, bytes) per bucket: the trace's own, or re-planned with new caps."""
+    if cap_mb is None and first_mb is None:
+        return list(trace.ready_s), list(trace.bucket_bytes)
+    if trace.plan is None:
+        raise ValueError("re-planning with other bucket caps needs the trace's bucket plan")
+    cap = cap_mb if cap_mb is not None else (trace.caps_mb or (25.0, 1.0))[0]
+    first = first_mb if first_mb is not None else min(1.0, cap)
+    param_ready = trace.param_ready_s()
+    order = [p for bucket in trace.plan.buckets for p in bucket.params]  # the observed order
+    plan = rebuild_plan(plan_buckets(trace.plan.specs, cap, first), order, cap, first)
+    ready = [max(param_ready[p] for p in b.params) for b in plan.buckets]
+    return ready, [b.nbytes for b in plan.buckets]
+
+
+def main(argv=None) -> int:
+    """`portddp simulate RESULT.json --world 64 --link 10gbit --bucket-cap 4`."""
+    import argparse  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="portddp simulate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("result", help="an experiment's JSON (e.g. results/overlap-n2-h2-600mbit.json)")
+    parser.add_argument("--impl", default="torch-c10d", help="which implementation's row to replay")
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: the trace's)")
+    parser.add_argument("--link", default=None, help="link rate, e.g. 10gbit (default: the trace's)")
+    parser.add_argument("--bucket-cap", type=float, default=None, help="bucket cap in MB (re-planned)")
+    parser.add_argument("--first-bucket-cap", type=float, default=None)
+    parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--compression", type=float, default=1.0, help="0.5 for fp16/bf16 hooks")
+    parser.add_argument("--no-sync-every", type=int, default=1)
+    parser.add_argument("--compute-scale", type=float, default=1.0, help="compute time x this (faster device: < 1)")
+    ns = parser.parse_args(argv)
+    payload = json.loads(open(ns.result).read())
+    trace_rate = (payload.get("cluster") or {}).get("rate_bps")
+    rows = {r["label"]: r for r in payload["rows"]}
+    if ns.impl not in rows:
+        raise SystemExit(f"{ns.result} has no row {ns.impl!r}: it has {sorted(rows)}")
+    world = payload["world"]["size"]
+    t0 = time.perf_counter()
+    on = Trace.from_row(rows[ns.impl], world)
+    off_row = rows.get(f"{ns.impl} (no overlap)")
+    off = Trace.from_row(off_row, world) if off_row else on
+    model = Model.fit(on, off, trace_rate) if off_row else Model(fit_link(samples_from_trace(on, trace_rate)))
+    link = model.link
+    rate = parse_rate(ns.link) if ns.link else trace_rate
+    # Replayed: the iteration without overlap (compute undisturbed by communication), when there is one.
+    p = simulate(off, model, world=ns.world, rate_bps=rate, bucket_cap_mb=ns.bucket_cap,
+                 first_bucket_cap_mb=ns.first_bucket_cap, overlap=not ns.no_overlap, compression=ns.compression,
+                 no_sync_every=ns.no_sync_every, compute_scale=ns.compute_scale)
+    took = time.perf_counter() - t0
+    print(f"trace: {ns.impl} from {ns.result} ({world} ranks, link "
+          f"{'unlimited' if not trace_rate else f'{trace_rate / 1e6:.0f} Mbit/s'}): measured step "
+          f"{rows[ns.impl]['median_s'] * 1e3:.1f} ms")
+    print(f"link model: alpha {link.alpha_s * 1e6:.1f} us, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
+          + (f"(host-bound at {8 / link.host_s_per_byte / 1e9:.2f} Gbit/s)" if link.host_s_per_byte else
+             "(wire-bound)") + f"; contention: compute x(1 + {model.kappa:.2f} f), communication beside compute "
+          f"x{1 + model.kappa_comm:.2f}")
+    print(f"prediction at {ns.world or world} ranks, link "
+          f"{'unlimited' if not rate else f'{rate / 1e9:g} Gbit/s'}: {p.summary()} [{took * 1e3:.0f} ms]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""portddp.simulate on hand-built traces with known answers (milliseconds, one process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from portddp.buckets import ParamSpec, plan_buckets, rebuild_plan
+from portddp.simulate import LinkModel, Model, Trace, fit_link, simulate
+
+GBIT = 1e9
+
+
+def trace(ready, nbytes, *, forward=0.1, backward=1.0, world=2, plan=None, other=0.0, finalize=0.0):
+    return Trace(forward_s=forward, backward_s=backward, ready_s=tuple(ready), bucket_bytes=tuple(nbytes),
+                 launch_s=tuple(0.0 for _ in ready), done_s=tuple(0.0 for _ in ready), finalize_s=finalize,
+                 other_s=other, world=world, plan=plan)
+
+
+WIRE_ONLY = LinkModel(alpha_s=0.0, host_s_per_byte=0.0)
+MB = 1_000_000
+
+
+def wire_s(nbytes, world=2, rate=GBIT):
+    return 2 * (world - 1) / world * nbytes * 8 / rate
+
+
+def test_one_bucket_ready_at_the_end_cannot_overlap():
+    t = trace([1.0], [50 * MB], other=0.2, finalize=0.01)
+    p = simulate(t, WIRE_ONLY, rate_bps=GBIT)
+    assert p.iteration_s == pytest.approx(0.1 + 1.0 + wire_s(50 * MB) + 0.01)
+    assert p.step_s == pytest.approx(p.iteration_s + 0.2)
+    assert p.exposed_comm_s == pytest.approx(wire_s(50 * MB))
+    assert p.overlap_ratio == 0.0
+
+
+def test_early_buckets_hide_behind_backward_and_only_the_last_is_exposed():
+    t = trace([0.2, 0.5, 1.0], [10 * MB, 10 * MB, 5 * MB])
+    p = simulate(t, WIRE_ONLY, rate_bps=GBIT)
+    assert p.iteration_s == pytest.approx(0.1 + 1.0 + wire_s(5 * MB))
+    assert p.exposed_comm_s == pytest.approx(wire_s(5 * MB))
+    assert [b["start_s"] for b in p.buckets] == pytest.approx([0.3, 0.6, 1.1])
+    hidden = 2 * wire_s(10 * MB)
+    assert p.overlap_ratio == pytest.approx(hidden / (hidden + wire_s(5 * MB)))
+
+
+def test_without_overlap_every_bucket_waits_for_backward_and_they_queue():
+    t = trace([0.2, 0.5, 1.0], [10 * MB, 10 * MB, 5 * MB])
+    p = simulate(t, WIRE_ONLY, rate_bps=GBIT, overlap=False)
+    assert p.iteration_s == pytest.approx(0.1 + 1.0 + wire_s(25 * MB))
+    assert p.overlap_ratio == 0.0
+
+
+def test_a_slow_link_queues_buckets_in_plan_order():
+    t = trace([0.1, 0.2], [100 * MB, 1 * MB])
+    p = simulate(t, WIRE_ONLY, rate_bps=GBIT)
+    first_end = 0.1 + 0.1 + wire_s(100 * MB)  # 0.9 s: past backward's end (1.1 s)? no: 1.0 s
+    assert p.buckets[1]["start_s"] == pytest.approx(first_end)
+    assert p.iteration_s == pytest.approx(max(1.1, first_end + wire_s(1 * MB)))
+
+
+def test_world_of_one_communicates_nothing_and_world_size_scales_the_ring():
+    t = trace([1.0], [40 * MB], world=2)
+    assert simulate(t, WIRE_ONLY, world=1, rate_bps=GBIT).iteration_s == pytest.approx(1.1)
+    p64 = simulate(t, WIRE_ONLY, world=64, rate_bps=GBIT)
+    assert p64.exposed_comm_s == pytest.approx(wire_s(40 * MB, world=64))
+
+
+def test_knobs_compression_no_sync_and_compute_scale():
+    t = trace([1.0], [40 * MB], other=0.1)
+    full = simulate(t, WIRE_ONLY, rate_bps=GBIT)
+    half = simulate(t, WIRE_ONLY, rate_bps=GBIT, compression=0.5)
+    assert half.exposed_comm_s == pytest.approx(full.exposed_comm_s / 2)
+    every4 = simulate(t, WIRE_ONLY, rate_bps=GBIT, no_sync_every=4)
+    assert every4.step_s == pytest.approx((3 * (0.1 + 1.0 + 0.1) + full.step_s) / 4)
+    fast = simulate(t, WIRE_ONLY, rate_bps=GBIT, compute_scale=0.5)
+    assert fast.backward_s == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="compression=2"):
+        simulate(t, WIRE_ONLY, compression=2)
+
+
+def test_contention_stretches_backward_and_the_communication_beside_it():
+    t = trace([0.2, 1.0], [20 * MB, 1 * MB])
+    base = simulate(t, WIRE_ONLY, rate_bps=GBIT)
+    slowed = simulate(t, Model(WIRE_ONLY, kappa=0.5, kappa_comm=1.0), rate_bps=GBIT)
+    assert slowed.backward_s > base.backward_s
+    first = slowed.buckets[0]
+    assert first["end_s"] - first["start_s"] == pytest.approx(2 * wire_s(20 * MB))
+
+
+def test_replanning_gives_portddp_buckets_plan():
+    specs = [ParamSpec(f"p{i}", (256, 256), "float32") for i in range(12)]
+    plan = plan_buckets(specs, 1.0, 0.25)
+    ready = [0.1 * (b + 1) for b in range(len(plan.buckets))]
+    t = trace(ready, [b.nbytes for b in plan.buckets], plan=plan)
+    p = simulate(t, WIRE_ONLY, rate_bps=GBIT, bucket_cap_mb=0.5, first_bucket_cap_mb=0.25)
+    order = [i for b in plan.buckets for i in b.params]
+    want = rebuild_plan(plan_buckets(specs, 0.5, 0.25), order, 0.5, 0.25)
+    assert [b["bytes"] for b in p.buckets] == [b.nbytes for b in want.buckets]
+    # Each new bucket is ready when its last parameter is; the last one at the end of backward.
+    assert p.buckets[-1]["ready_s"] == pytest.approx(0.1 + ready[-1])
+    assert all(a["ready_s"] <= b["ready_s"] for a, b in zip(p.buckets, p.buckets[1:]))
+
+
+def test_fit_link_recovers_latency_and_host_cost_from_synthetic_sweeps():
+    truth = LinkModel(alpha_s=200e-6, host_s_per_byte=2e-9)
+    samples = [(b, n, rate, truth.allreduce_s(b, n, rate)) for b in (1e5, 1e6, 4e6, 16e6, 64e6)
+               for n in (2, 4) for rate in (None, 1e9, 10e9)]
+    fit = fit_link(samples)
+    assert fit.alpha_s == pytest.approx(200e-6, rel=0.02)
+    assert fit.host_s_per_byte == pytest.approx(2e-9, rel=0.05)
+
+
+def test_a_prediction_takes_well_under_a_second():
+    import time  # noqa: PLC0415
+
+    specs = [ParamSpec(f"p{i}", (1024, 1024), "float32") for i in range(200)]
+    plan = plan_buckets(specs, 25.0, 1.0)
+    t = trace([0.01 * (b + 1) for b in range(len(plan.buckets))], [b.nbytes for b in plan.buckets], plan=plan)
+    t0 = time.perf_counter()
+    simulate(t, Model(WIRE_ONLY, kappa=0.2, kappa_comm=0.3), world=256, rate_bps=10 * GBIT, bucket_cap_mb=4)
+    assert time.perf_counter() - t0 < 1.0
