@@ -292,8 +292,21 @@ def cluster_info() -> dict | None:
     return json.loads(info) if info else None
 
 
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
 def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = False) -> int:
-    """Create the cluster, run `command` on it as an n-rank MPI job, remove everything; the job's exit code."""
+    """Create the cluster, run `command` on it as an n-rank MPI job, remove everything; the job's exit code.
+    SIGTERM is handled like Ctrl-C: the job is stopped and the cluster removed."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run_job(n, hosts, link, command, quiet)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool) -> int:
     say = (lambda *a: None) if quiet else (lambda msg: print(f"portddp cluster: {msg}", file=sys.stderr, flush=True))
     with tempfile.TemporaryDirectory(prefix="portddp-cluster-") as tmp, Cluster(hosts, link) as cluster:
         say(f"{hosts} host(s) {', '.join(f'{h}={a}' for h, a in zip(cluster.hostnames, cluster.addresses))}, "
@@ -338,7 +351,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
         parser.error("give the command to run, e.g. -- python -m experiments.overlap")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         return run(ns.ranks, ns.hosts, ns.link, command)
     except KeyboardInterrupt:

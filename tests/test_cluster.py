@@ -134,3 +134,23 @@ def test_without_root_the_cluster_says_what_is_missing():
     if "No such file" in why.stderr or "setpriv: " in why.stderr:
         pytest.skip(f"cannot drop privileges here: {why.stderr.strip()[:200]}")
     assert why.returncode == 1 and "unavailable: not root (network namespaces need root)" in why.stdout, why
+
+
+@needs_cluster
+def test_sigterm_to_the_launcher_stops_the_job_and_removes_everything():
+    launcher = subprocess.Popen([sys.executable, "-m", "portddp.cluster", "-n", "2", "--hosts", "2", "--",
+                                 "sleep", "60"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not {n for n in _ours() if n.startswith(f"{cluster.PREFIX}{launcher.pid}h")}:
+        assert time.monotonic() < deadline, "the cluster never came up"
+        time.sleep(0.1)
+    time.sleep(1.0)
+    inside = subprocess.run(["ip", "netns", "pids", f"{cluster.PREFIX}{launcher.pid}h0"], capture_output=True,
+                            text=True).stdout.split()
+    launcher.send_signal(signal.SIGTERM)
+    launcher.communicate(timeout=30)
+    assert launcher.returncode != 0
+    assert not {n for n in _ours() if str(launcher.pid) in n}, _ours()
+    from portddp.watchdog import _alive  # noqa: PLC0415
+
+    assert inside and not [p for p in inside if _alive(int(p))], inside
