@@ -14,6 +14,7 @@ characters (model="gpt"); SGD with momentum.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -141,7 +142,7 @@ class TorchTrainer:
         for m in range(self.no_sync_every):
             x, y = (torch.from_numpy(a) for a in self.work.batch(self.steps * 64 + m, self.world.rank))
             last = m == self.no_sync_every - 1
-            ctx = self.wrapped.no_sync() if not last and hasattr(self.wrapped, "no_sync") else _Null()
+            ctx = self.wrapped.no_sync() if not last and hasattr(self.wrapped, "no_sync") else contextlib.nullcontext()
             with ctx:
                 loss = self.work.torch_loss(self.wrapped(x), y)
                 loss.backward()
@@ -287,14 +288,6 @@ class JaxTrainer:
         leaves = self._jax.tree.leaves(self._grads)
         host = self.ddp._buffers if self.ddp is not None and self.ddp.strategy == "hooked" else []
         return (sum(x.nbytes for x in leaves) + sum(b.nbytes for b in host)) / 2**20
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def make_trainer(impl: str, cfg: ModelConfig, world, **knobs):

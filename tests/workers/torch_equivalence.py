@@ -11,6 +11,7 @@ largest parameter difference.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 
@@ -71,19 +72,11 @@ def train(wrapped, model, rank, *, micro=1, branch=False, dtype=torch.float32, s
         for m in range(micro):
             x, y = batch(step * micro + m, rank, dtype)
             use = branch and (rank + step) % 2 == 0  # used on some ranks only
-            sync_ctx = wrapped.no_sync() if m < micro - 1 else _null()
+            sync_ctx = wrapped.no_sync() if m < micro - 1 else contextlib.nullcontext()
             with sync_ctx:
                 nn.functional.mse_loss(wrapped(x, use_branch=use), y).backward()
         opt.step()
     return model
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> tuple[float, bool]:
