@@ -142,7 +142,8 @@ class TorchTrainer:
         for m in range(self.no_sync_every):
             x, y = (torch.from_numpy(a) for a in self.work.batch(self.steps * 64 + m, self.world.rank))
             last = m == self.no_sync_every - 1
-            ctx = self.wrapped.no_sync() if not last and hasattr(self.wrapped, "no_sync") else contextlib.nullcontext()
+            local = not last and hasattr(self.wrapped, "no_sync")
+            ctx = self.wrapped.no_sync() if local else contextlib.nullcontext()
             with ctx:
                 loss = self.work.torch_loss(self.wrapped(x), y)
                 loss.backward()
