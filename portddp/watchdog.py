@@ -29,7 +29,7 @@ never join. The goodbye therefore carries how many synchronised DDP
 iterations the rank finished (`step_started`/`step_finished`, called by
 DistributedDataParallel). A survivor that starts an iteration the departed
 rank never reached, or is still inside one PORTDDP_EARLY_EXIT_GRACE_S seconds
-(default 2) after the goodbye, exits the same way, naming the rank, its count
+(default 5) after the goodbye, exits the same way, naming the rank, its count
 and the fix (`join()` for uneven inputs). (The grace lets a rank that left
 because of an error every rank hits -- bad input -- raise its own.)
 
@@ -140,7 +140,7 @@ class Watchdog:
         self._pending = {r: b"" for r in self.socks}
         self._departed: dict[int, int] = {}  # rank -> synchronised iterations it finished before leaving
         self._departed_at: dict[int, float] = {}
-        self._grace_s = float(os.environ.get("PORTDDP_EARLY_EXIT_GRACE_S", 2.0))
+        self._grace_s = float(os.environ.get("PORTDDP_EARLY_EXIT_GRACE_S", 5.0))
         self._thread = threading.Thread(target=self._run, name="portddp-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.finished)

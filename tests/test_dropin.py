@@ -79,6 +79,13 @@ NATIVE_ERRORS = [
     ("bucket_cap_mb_list", r"bucket_cap_mb_list=\[1, 25\] is not supported by portddp: pass bucket_cap_mb="),
     ("delay_without_hook_param", r"delay_all_reduce_named_params and param_to_hook_all_reduce need to be set"),
     ("meta_device", r"parameters on the meta device .* module\.to_empty"),
+    ("hook_one_element", r"comm hook .*one_element's future for bucket 0 resolved to a \(1,\) float32 tensor, but "
+                         r"the bucket holds 30 float32 gradients: return the whole reduced bucket"),
+    ("hook_half", r"comm hook .*half's future for bucket 0 resolved to a \(15,\) float32 tensor"),
+    ("hook_not_a_future", r"comm hook .*not_a_future returned Tensor for bucket 0; a hook must return a "
+                          r"torch\.futures\.Future"),
+    ("hook_some_ranks", r"comm hooks differ across ranks \(rank 0: none, rank 1: .*one_element\): call "
+                        r"register_comm_hook with the same hook on every rank"),
 ]
 
 

@@ -553,6 +553,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if grad_sync:
             self._check_prior_reduction_finished()
+            if not self._iterations and not getattr(self, "_hooks_compared", False):
+                self._compare_hooks()
             if self._tuner is not None and not self._tuner.done:
                 self._autotune(start)
             if self._rebuild_order is not None:
@@ -630,6 +632,19 @@ class DistributedDataParallel(nn.Module, Joinable):
             "output, run forwards you do not train on under torch.no_grad() or on ddp.module, or pass "
             "find_unused_parameters=True if some outputs are not used in the loss"
         )
+
+    def _compare_hooks(self) -> None:
+        """Before the first reduction: every rank must reduce with the same comm hook (or none); a hook
+        on some ranks only would issue other collectives than the rest and hang or corrupt them."""
+        self._hooks_compared = True
+        if self.world_size == 1:
+            return
+        mine = None if self._hook is None else _hook_name(self._hook)
+        everyone = self._comm.allgather_object(mine)
+        if len(set(everyone)) > 1:
+            shown = ", ".join(f"rank {r}: {h or 'none'}" for r, h in enumerate(everyone))
+            raise RuntimeError(f"comm hooks differ across ranks ({shown}): call register_comm_hook with the same "
+                               "hook on every rank, before the first forward")
 
     def _will_sync_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers())
@@ -760,7 +775,27 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._hook is None:
             return self._comm.allreduce(buffer)
         # A new GradBucket each time, as native hands out: hooks may set_buffer() on it.
-        return self._hook(self._hook_state, self._grad_bucket(b, buffer))
+        fut = self._hook(self._hook_state, self._grad_bucket(b, buffer))
+        if not isinstance(fut, torch._C.Future):  # (c10d's get_future() is the C++ base class)
+            raise TypeError(
+                f"comm hook {_hook_name(self._hook)} returned {type(fut).__name__} for bucket {b}; a hook must "
+                "return a torch.futures.Future whose value is the reduced flat bucket (e.g. "
+                "dist.all_reduce(t, async_op=True).get_future(), or bucket.allreduce(t))")
+        return fut
+
+    def _check_hook_result(self, b: int, result) -> torch.Tensor:
+        """Native's contract: the future's value is one tensor shaped like the bucket."""
+        tensor = _tensor_of(result)
+        expected = self._bucket_buffers[b]
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != expected.numel() or not (
+                tensor.dtype.is_floating_point):
+            got = (f"a {tuple(tensor.shape)} {_dtype_name(tensor.dtype)} tensor" if isinstance(tensor, torch.Tensor)
+                   else type(result).__name__)
+            raise RuntimeError(
+                f"comm hook {_hook_name(self._hook)}'s future for bucket {b} resolved to {got}, but the bucket "
+                f"holds {expected.numel()} {_dtype_name(expected.dtype)} gradients: return the whole reduced "
+                "bucket (bucket.buffer() after the reduction), not a part or a summary of it")
+        return tensor
 
     def _finalize_backward(self) -> None:
         """End of backward: launch the rest, wait in order, agree on unused params, write .grad."""
@@ -784,7 +819,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         flags = bytes(self._seen) + (bytes(self._nonfinite) if self.check_finite else b"")
         used_fut = self._exchange_used(flags) if early else None
         for b, fut in enumerate(self._futures):
-            result = _tensor_of(fut.wait())
+            result = self._check_hook_result(b, fut.wait()) if self._hook is not None else fut.wait()
             if result.data_ptr() != self._bucket_buffers[b].data_ptr():
                 self._bucket_buffers[b].copy_(result)
         if not early:
@@ -909,6 +944,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra
+
+
+def _hook_name(hook) -> str:
+    return str(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
 
 
 def _tensor_of(value) -> torch.Tensor:

@@ -109,6 +109,26 @@ def run(case: str, transport: str) -> None:
             loss = ddp(torch.ones(2, 4)).sum()
             if not (last and step == 0):  # the last rank skips one backward ("no valid targets: continue")
                 loss.backward()
+    elif case.startswith("hook_"):  # a comm hook that breaks native's contract
+        import torch.distributed as dist  # noqa: PLC0415
+
+        def one_element(state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer()[:1])
+            return fut
+
+        def not_a_future(state, bucket):
+            return bucket.buffer()
+
+        def half(state, bucket):
+            return dist.all_reduce(bucket.buffer()[: bucket.buffer().numel() // 2], async_op=True).get_future()
+
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        hook = {"hook_one_element": one_element, "hook_not_a_future": not_a_future, "hook_half": half,
+                "hook_some_ranks": one_element}[case]
+        if case != "hook_some_ranks" or last:
+            ddp.register_comm_hook(None, hook)
+        ddp(torch.ones(2, 4)).sum().backward()
     elif case == "one_batch_fewer":  # no join(): the last rank's loop ends one batch early
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
         for _ in range(2 if last else 3):
