@@ -130,6 +130,16 @@ def _reachable_address() -> str | None:
     return None
 
 
+def _port_taken(port: int) -> str | None:
+    """Why `port` cannot be listened on here (None: it can)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -152,8 +162,12 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
     if w.rank == 0:
         addr = os.environ.get("MASTER_ADDR") or _reachable_address()
         port = int(os.environ["MASTER_PORT"]) + offset if os.environ.get("MASTER_PORT") else _free_port()
-        mine = (addr, port, socket.gethostname())
-    addr, port, host0 = comm.bcast(mine, root=0)
+        mine = (addr, port, socket.gethostname(), _port_taken(port) if os.environ.get("MASTER_PORT") else None)
+    addr, port, host0, taken = comm.bcast(mine, root=0)
+    if taken is not None:  # every rank raises, not only rank 0 (the others would wait for it forever)
+        variable = "MASTER_PORT" if offset == 0 else f"MASTER_PORT (+{offset} for the {purpose} coordinator)"
+        raise RuntimeError(f"port {port} on rank 0 ({host0}) is already in use ({taken}), and {variable} asks for "
+                           "it: set MASTER_PORT to a free port, or unset it and portddp picks one")
     hosts = comm.allgather(socket.gethostname())
     if addr is None:
         # Loopback is only reachable when every rank shares rank 0's host.

@@ -114,3 +114,12 @@ def test_a_rank_that_stops_one_batch_early_stops_every_rank_naming_it(transport)
         assert re.search(rf"rank 2 \(pid \d+ on .*\) left without an error .* after 2 synchronised iteration\(s\), "
                          rf"while this rank is in iteration 3.*ddp\.join\(\).*; rank {r} exits now \(code 70\)",
                          proc.stderr), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("who", ["c10d", "jax"])
+def test_a_port_in_use_is_named_on_every_rank(who):
+    """MASTER_PORT taken (c10d would hang), MASTER_PORT + 1 taken (the JAX coordinator would crash)."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "master_port_in_use", who, timeout=120)
+    suffix = r"MASTER_PORT \(\+1 for the jax coordinator\)" if who == "jax" else "MASTER_PORT"
+    mpi.errors_on_every_rank(proc, 2, rf"port \d+ on rank 0 \(.*\) is already in use \(.*\), and {suffix} asks "
+                                      r"for it: set MASTER_PORT to a free port, or unset it")

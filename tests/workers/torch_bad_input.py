@@ -47,6 +47,20 @@ def run(case: str, transport: str) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         portddp.init()
         return
+    if case == "master_port_in_use":  # something else listens on MASTER_PORT (rank 0 opens it first)
+        import os  # noqa: PLC0415
+        import socket  # noqa: PLC0415
+
+        from portddp.launch import _free_port, mpi_comm  # noqa: PLC0415
+
+        port = mpi_comm().bcast(_free_port() if detect().rank == 0 else None, root=0)
+        jax = transport == "jax"  # the JAX coordinator listens on MASTER_PORT + 1
+        if detect().rank == 0:
+            squatter = socket.create_server(("", port + jax))  # noqa: F841 -- held until the process ends
+        mpi_comm().Barrier()
+        os.environ["MASTER_PORT"] = str(port)
+        portddp.init(torch_distributed=not jax, jax_distributed=jax)
+        return
     w = portddp.init()
     last = w.rank == w.size - 1
     if case == "shape_mismatch":
