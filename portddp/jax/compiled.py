@@ -7,6 +7,12 @@ decide when each runs. "compiled" maps over all processes with `shard_map`
 What XLA actually did -- how many all-reduces survive, where they sit in the
 schedule -- is read back from the optimised HLO (`hlo_facts`), because XLA:CPU
 may combine the buckets into one all-reduce at the end of the backward pass.
+
+Uneven inputs (DistributedDataParallel.uneven, "compiled"): while some rank has
+run out, every process runs a variant of the step that takes one more input,
+this process's weight (1, or 0 for a joined rank, which feeds zeros shaped like
+the others' batch), and zeroes the gradients of weight 0 before the psums --
+one program, the same collectives, on every process.
 """
 
 from __future__ import annotations
@@ -96,7 +102,7 @@ def make_step(ddp, fn):
     by an all_gather inside the program; "pmap" hands every device the process's state and
     keeps the first device's result (one process: its buffers are rank 0's already)."""
 
-    def per_shard(static, impls, params, state, batch):
+    def per_shard(static, impls, params, state, batch, scale=None):
         if ddp.strategy == "compiled":
             state = jax.tree.map(lambda x: x[0], state)  # this process's row
         state = _data_as_keys(state, impls)
@@ -108,15 +114,17 @@ def make_step(ddp, fn):
             raise ValueError("the step changed the structure of the model's state (a Variable added or removed, "
                              "or an RNG key replaced by another kind): it must keep the same structure")
         new_state = _keys_as_data(new_state, impls)
+        if scale is not None:  # ddp.uneven(): a joined rank (scale 0) adds zeros, whatever its forward gave
+            grads = jax.tree.map(lambda g: jnp.where(scale[0] > 0, g, jnp.zeros_like(g)), grads)
         if ddp.strategy == "pmap":
             return jax.lax.pmean(loss, DATA_AXIS), aux, new_state, _reduced(ddp, grads)
         rows = jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, aux, new_state))
         return (*rows, _reduced(ddp, grads))
 
-    programs: dict = {}  # per (static, impls): the compiled program
+    programs: dict = {}  # per (static, impls[, weighted]): the compiled program
 
     if ddp.strategy == "pmap":
-        def step(static, params, state, batch):
+        def step(static, params, state, batch, scale=None):  # noqa: ARG001 -- one process never joins
             state = () if state is None else state
             impls = _key_impls(state)
             fn_ = programs.get((static, impls))
@@ -140,26 +148,32 @@ def make_step(ddp, fn):
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
 
-    def step(static, params, state, batch):
+    def step(static, params, state, batch, scale=None):
+        """`scale` (ddp.uneven() while some rank has joined): this process's weight, 1 or 0 (joined);
+        every process then runs the weighted program, which zeroes a joined rank's gradients."""
         state = () if state is None else state
         impls = _key_impls(state)
-        fn_ = programs.get((static, impls))
+        weighted = scale is not None
+        fn_ = programs.get((static, impls, weighted))
         if fn_ is None:
             # check_vma=False: with it, JAX would psum the gradients of the replicated
             # params by itself; we want exactly one psum per bucket, ours.
-            fn_ = programs[static, impls] = jax.jit(jax.shard_map(
-                lambda p, s, b: per_shard(static, impls, p, s, b), mesh=mesh,
-                in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)), out_specs=(P(DATA_AXIS),) * 3 + (P(),),
-                check_vma=False))
+            fn_ = programs[static, impls, weighted] = jax.jit(jax.shard_map(
+                lambda p, s, b, *w: per_shard(static, impls, p, s, b, *w), mesh=mesh,
+                in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)) + ((P(DATA_AXIS),) if weighted else ()),
+                out_specs=(P(DATA_AXIS),) * 3 + (P(),), check_vma=False))
         # Every process holds the same params: together they are one replicated global array.
         gparams = jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
             np.shape(x), replicated, [jax.device_put(x, mine)]), params)
         gbatch = jax.tree.map(lambda x: _process_rows(sharded, x, "batch"), batch)
         gstate = jax.tree.map(lambda x: _process_rows(sharded, np.asarray(x)[None], "state"),
                               _keys_as_data(state, impls))
+        args = (gparams, gstate, gbatch)
+        if weighted:
+            args += (_process_rows(sharded, np.asarray([scale], np.float32), "scale"),)
         if not ddp._hlo:
-            ddp._hlo = hlo_facts(fn_.lower(gparams, gstate, gbatch).compile().as_text())
-        loss, aux, new_state, grads = fn_(gparams, gstate, gbatch)
+            ddp._hlo = hlo_facts(fn_.lower(*args).compile().as_text())
+        loss, aux, new_state, grads = fn_(*args)
         mine_ = lambda tree: jax.tree.map(lambda g: g.addressable_data(0)[0], tree)  # noqa: E731
         return (loss.addressable_data(0)[0], mine_(aux), _data_as_keys(mine_(new_state), impls),
                 jax.tree.map(lambda g: g.addressable_data(0), grads))

@@ -34,6 +34,17 @@ Mirrors portddp/torch/ddp.py. What JAX forces to differ:
 * Only strategy="hooked" can be traced into the caller's own `jax.jit`
   (its collectives are host callbacks); "compiled" and "pmap" are compiled
   programs over several devices of their own and say so if called under jit.
+* Uneven inputs: no `join()` context manager (there is no forward to hook a
+  shadow into). `for batch in ddp.uneven(batches)` agrees before each step on
+  which ranks still have a batch and yields `ddp.JOINED` to those that ran
+  out; their grad_fn issues the step's collectives with zero gradients and
+  returns the same mean, so every rank applies the same update and nothing
+  needs broadcasting at the end (see `uneven`).
+* portddp.watchdog hears of every synchronised iteration (`step_started`,
+  `step_finished`): hooked, from the host callbacks that open and finish it
+  (so inside the caller's jit too) and in `reduce`; compiled and pmap, around
+  the XLA program; each `uneven()` agreement counts as one. A rank whose loop
+  ends early therefore stops the others, naming it, instead of hanging them.
 
 strategy="hooked" is the above. strategy="compiled" and strategy="pmap" leave
 the scheduling to XLA: one psum per bucket inside the compiled step
@@ -52,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from portddp import launch
+from portddp import launch, watchdog
 from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
 from portddp.jax import compiled, flax_nnx
@@ -60,11 +71,35 @@ from portddp.protocol import check_same_config, check_same_specs, nonfinite_erro
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import get_transport
 
-__all__ = ["Canonical", "DistributedDataParallel", "GradBucket", "STRATEGIES"]
+__all__ = ["Canonical", "DistributedDataParallel", "GradBucket", "JOINED", "Joined", "STRATEGIES"]
 
 STRATEGIES = ("hooked", "compiled", "pmap")
 TRANSPORTS = ("mpi",)
 _now = time.perf_counter_ns
+
+
+class Joined:
+    """What `DistributedDataParallel.uneven` yields in place of a batch once this rank has run
+    out while others still train. Hand it to grad_fn as the batch: the rank then shadows the
+    others' synchronised step (zero gradients, the same collectives) and gets their mean back.
+    A pytree with no leaves, so it also passes through the caller's jax.jit (hooked strategy)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "portddp.jax.JOINED"
+
+    def __reduce__(self):
+        return (Joined, ())
+
+
+JOINED = Joined()
+jax.tree_util.register_pytree_node(Joined, lambda _j: ((), None), lambda _aux, _children: JOINED)
 
 
 class GradBucket:
@@ -123,6 +158,9 @@ class DistributedDataParallel:
         check_finite: (hooked) check every local gradient for NaN/Inf as XLA hands it over; if
             any rank finds one, every rank raises naming the parameters and ranks.
     """
+
+    JOINED = JOINED
+    """What `uneven()` yields once this rank is out of batches; pass it to grad_fn as the batch."""
 
     def __init__(self, params, bucket_cap_mb: float | str = 25.0, first_bucket_cap_mb: float = 1.0,
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
@@ -210,6 +248,7 @@ class DistributedDataParallel:
         self._last_events: IterationEvents | None = None
         self._iterations = 0
         self._iteration_time = 0.0
+        self._uneven: _Uneven | None = None  # inside ddp.uneven(): this step's agreement
 
     # ------------------------------------------------------------------ setup
     def _registration_order(self, order) -> list[int]:
@@ -342,6 +381,11 @@ class DistributedDataParallel:
 
     def _unpack(self):
         """A new pytree of jax arrays holding the buffers' contents, in the pytree's own layout."""
+        return jax.tree_util.tree_unflatten(self._treedef, self._unpack_host(jnp.array))
+
+    def _unpack_host(self, array=np.array) -> list:
+        """Copies of the buffers' contents (`array(view, copy=True)`), one per pytree leaf, in the
+        pytree's own layout."""
         out = [None] * len(self._leaf_names)
         for buf, bucket in zip(self._buffers, self._plan.buckets):
             for k, off in zip(bucket.params, bucket.offsets):
@@ -350,8 +394,8 @@ class DistributedDataParallel:
                 if self._perm[k] is not None:
                     value = value.transpose(np.argsort(self._perm[k]))
                 # Copy: the buffer is reused by the next iteration.
-                out[self._leaf_of[k]] = jnp.array(value, copy=True)
-        return jax.tree_util.tree_unflatten(self._treedef, out)
+                out[self._leaf_of[k]] = array(value, copy=True)
+        return out
 
     # --------------------------------------------------------------- backward
     def _make_tap(self, b: int):
@@ -439,7 +483,10 @@ class DistributedDataParallel:
 
     def _begin_iteration(self, dead=()) -> None:
         """Open an iteration. The `dead` buckets (no tap fires: the loss uses none of their
-        leaves) are zeros and ready at once; they launch in plan order like the others."""
+        leaves) are zeros and ready at once; they launch in plan order like the others.
+        The watchdog learns that a synchronised iteration is under way (a peer that already left
+        before reaching it stops this rank, naming it, instead of leaving it waiting)."""
+        watchdog.step_started()
         n = len(self._buffers)
         self._ready = [False] * n
         self._next_launch = 0
@@ -480,6 +527,7 @@ class DistributedDataParallel:
                 self._events.buckets[b].done_ns = handle.done_ns
         if used_handle is not None:
             used_handle.wait()
+        watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
@@ -572,12 +620,22 @@ class DistributedDataParallel:
             return loss, aux, new_state, grads
 
         if self.strategy != "hooked":
-            def synced(static, params, state, batch):
+            def synced(static, params, state, batch, scale=None):
                 self._autotune()
                 step = self._steps.get(fn)
                 if step is None:  # first call, or the plan changed ("auto"): compile with this plan
                     step = self._steps[fn] = self._timed(compiled.make_step(self, fn))
-                return step(static, params, state, batch)
+                return step(static, params, state, batch, scale)
+
+            def uneven_step(static, params, state, batch):
+                """Inside ddp.uneven() while some rank has joined: every rank runs the same program,
+                which zeroes the gradients of the joined ranks (scale 0) before the psums; a joined
+                rank feeds it zeros shaped like the others' batch (the forward's result is dropped)."""
+                joined = isinstance(batch, Joined)
+                if joined:
+                    batch = self._uneven.zeros_batch()
+                loss, aux, new_state, grads = synced(static, params, state, batch, 0.0 if joined else 1.0)
+                return (None, None, state, grads) if joined else (loss, aux, new_state, grads)
 
             def xla_step(static, params, state, batch, sync=True):
                 if sync and _traced(params):
@@ -586,12 +644,23 @@ class DistributedDataParallel:
                         "cannot be traced into your jax.jit (or nnx.jit) over this process's arrays: call "
                         "grad_fn outside jit (it is compiled already; jit the optimizer update on its own), "
                         "or use strategy='hooked', which can be")
-                return _flax_errors(synced if sync else local_step, static, params, state, batch)
+                if isinstance(batch, Joined):
+                    self._leaves_of(params)
+                    if self._uneven is None or self._uneven.count == self.world_size:
+                        raise ValueError(_JOINED_OUTSIDE)
+                    if not sync:
+                        return None, None, state, _zeros_like(params)
+                if not sync:
+                    return _flax_errors(local_step, static, params, state, batch)
+                if self._uneven is not None and self._uneven.count < self.world_size:
+                    return _flax_errors(uneven_step, static, params, state, batch)
+                return _flax_errors(synced, static, params, state, batch)
 
             return xla_step
         program = self._hooked_step(fn)
 
         def hooked_step(static, params, state, batch, sync: bool = True):
+            joined = isinstance(batch, Joined)
             if _traced(params):
                 # Inside the caller's jit: the program is traced once, with today's plan, so the
                 # plan must not change under it -- no rebuild in this mode.
@@ -599,10 +668,19 @@ class DistributedDataParallel:
                     raise ValueError("bucket_cap_mb='auto' re-plans between grad_fn calls, which cannot happen "
                                      "inside your own jax.jit: pass a number of MB, or call grad_fn outside jit")
                 self._rebuilt, self._rebuild_order = True, None
+                if joined:
+                    return self._joined_traced(params, state, sync)
                 return _flax_errors(program if sync else local_step, static, params, state, batch)
             if sync:
                 self._autotune()
             self._maybe_rebuild()
+            if joined:  # the same collectives as the branch below, with zeros for this rank's gradients
+                self._leaves_of(params)
+                if not sync:
+                    return None, None, state, _zeros_like(params)
+                if self._bcasts_buffers(state):
+                    self._broadcast_leaves(jax.tree.leaves(state[0]))  # rank 0's; this rank runs no forward
+                return None, None, state, self._reduce_host(None)
             if not sync:
                 return _flax_errors(local_step, static, params, state, batch)
             step = self._steps.get(program)
@@ -621,11 +699,42 @@ class DistributedDataParallel:
 
         return hooked_step
 
+    def _joined_traced(self, params, state, sync: bool):
+        """A joined rank's grad_fn inside the caller's jit (hooked): one host callback issues what
+        the program's callbacks issue on the other ranks -- rank 0's buffers (Bcast, if the
+        program broadcasts them), every bucket (zeros) and the used counts -- and hands back the mean."""
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        if treedef != self._treedef:
+            raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
+                             f" got {treedef}, expected {self._treedef}")
+        if not sync:
+            return None, None, state, _zeros_like(params)
+        buffers = jax.tree.leaves(state[0]) if self._bcasts_buffers(state) else []
+        reduced = io_callback(self._joined_callback,
+                              [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves], *buffers, ordered=False)
+        return None, None, state, jax.tree_util.tree_unflatten(self._treedef, reduced)
+
+    def _joined_callback(self, *buffers):
+        try:
+            if buffers:
+                self._broadcast_leaves(buffers)
+            return self._reduce_host(None, host=True)
+        except Exception as e:
+            self._callback_error = e
+            raise
+
+    def _bcasts_buffers(self, state) -> bool:
+        """Whether a hooked step with this `state` broadcasts rank 0's buffers before the iteration."""
+        return (state is not None and self.broadcast_buffers and self.world_size > 1
+                and bool(jax.tree.leaves(state[0])))
+
     def _timed(self, step):
         def run(*args):
             t0 = _now()
+            watchdog.step_started()  # one XLA program holds the iteration's collectives
             out = step(*args)
             jax.block_until_ready(out[-1])
+            watchdog.step_finished()
             self._iteration_time = (_now() - t0) * 1e-9
             self._iterations += 1
             return out
@@ -659,8 +768,7 @@ class DistributedDataParallel:
                                  f" got {jax.tree_util.tree_structure(params)}, expected {self._treedef}")
             dead: list[int] = []  # read by the start callback at run time, filled below at trace time
             start = self._start(dead)
-            bcast = (state is not None and self.broadcast_buffers and self.world_size > 1
-                     and bool(jax.tree.leaves(state[0])))
+            bcast = self._bcasts_buffers(state)
 
             def tapped(params, start_value, state):
                 # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (grad_fn).
@@ -727,15 +835,107 @@ class DistributedDataParallel:
         if self.strategy != "hooked":
             if self._reduce_step is None:
                 self._reduce_step = compiled.make_reduce(self)
-            return self._reduce_step(grads)
+            watchdog.step_started()
+            out = jax.block_until_ready(self._reduce_step(grads))
+            watchdog.step_finished()
+            return out
+        return self._reduce_host(leaves)
+
+    def uneven(self, batches, divide_by_initial_world_size: bool = True, throw_on_early_termination: bool = False):
+        """Train on uneven inputs -- portddp.jax's counterpart of torch DDP's `with ddp.join():`.
+
+            for batch in ddp.uneven(my_batches):      # this rank's batches, then JOINED
+                loss, grads = grad_fn(params, batch)  # loss is None for JOINED
+                params = update(params, grads)
+
+        Before each step every rank says whether it still has a batch (one int32[world]
+        all-reduce over the transport). While some rank does, every rank runs the step: a
+        rank with a batch gets it as usual; a rank that has run out gets `ddp.JOINED`, which
+        grad_fn takes as the batch and answers by shadowing the others' synchronised step --
+        the very same collectives (hooked: rank 0's buffers if the program broadcasts them,
+        one all-reduce per bucket in plan order, the used counts; compiled: the same XLA
+        program, whose psums get zeros from the joined ranks) with zero gradients and no
+        forward -- returning (None, the mean gradients) ((None, None) for loss and aux with
+        has_aux); its model state (buffers, RNG) is left as it is. Once no rank has a batch,
+        the loop ends on every rank at the same step.
+
+        The mean is the sum of the ranks that had a batch divided by the initial world size
+        (as torch's default), or with divide_by_initial_world_size=False by the number of
+        ranks that had one (hooked, without a comm hook). Parameters stay identical: every
+        rank -- joined or not -- gets the same mean gradients every step and applies them with
+        the same update, so optimizer state stays in step too (torch instead broadcasts the
+        last joiner's model at the end; nothing needs broadcasting here). The loop body must
+        therefore run the same DDP calls (grad_fn with sync=True/False, reduce) at the same
+        step on every rank, whatever the item is; give JOINED to grad_fn untouched (test
+        `batch is ddp.JOINED` before using the batch for anything else). With sync=False a
+        joined rank's grad_fn returns zeros, so accumulation then `reduce` works as usual.
+
+        throw_on_early_termination=True: instead, every rank raises as soon as one runs out.
+        Hooked grad_fn may be inside your own jax.jit (JOINED is a pytree with no leaves: it
+        gets its own trace). bucket_cap_mb="auto" is refused until the caps are chosen.
+        Each agreement counts as one synchronised iteration for portddp.watchdog."""
+        if self._tuner is not None and not self._tuner.done:
+            raise RuntimeError(f"uneven() with bucket_cap_mb='auto' is refused while the caps are still being timed "
+                               f"(the first {self._tuner.iterations} synchronised steps): pass a fixed bucket_cap_mb")
+        if not divide_by_initial_world_size and (self.strategy != "hooked" or self._hook is not None):
+            raise ValueError("uneven(divide_by_initial_world_size=False) needs strategy='hooked' without a comm hook "
+                             "(it changes the divisor per step on the host): use the default (divide by the initial "
+                             "world size) or strategy='hooked'")
+        return self._uneven_steps(iter(batches), divide_by_initial_world_size, throw_on_early_termination)
+
+    def _uneven_steps(self, batches, divide: bool, throw: bool):
+        alone = self._transport is None or self.world_size == 1  # pmap, or a world of one: nothing to agree on
+        step = _Uneven()
+        try:
+            while True:
+                batch = _END if step.out else next(batches, _END)
+                step.out = batch is _END
+                if alone:
+                    if step.out:
+                        return
+                    yield batch
+                    continue
+                flags = np.zeros(self.world_size, np.int32)
+                flags[self.rank] = not step.out
+                watchdog.step_started()  # a collective every rank must reach, like an iteration
+                self._transport.allreduce(flags).wait()
+                watchdog.step_finished()
+                step.count = int(flags.sum())
+                if step.count == 0:
+                    return
+                if step.count < self.world_size and throw:
+                    out = [r for r in range(self.world_size) if not flags[r]]
+                    raise RuntimeError(f"uneven(throw_on_early_termination=True): rank(s) {out} ran out of batches "
+                                       f"while {step.count} of {self.world_size} ranks still have one")
+                step.template = None
+                if step.count < self.world_size and self.strategy == "compiled":
+                    # The joined ranks feed the program zeros shaped like a batch of a rank that has one.
+                    step.template = next(t for t in self._transport.allgather_object(
+                        None if step.out else _batch_spec(batch)) if t is not None)
+                self._inv_world = 1.0 / (self.world_size if divide else step.count)
+                self._uneven = step
+                yield JOINED if step.out else batch
+                self._uneven = None
+        finally:
+            self._uneven = None
+            self._inv_world = 1.0 / self.world_size
+
+    def _reduce_host(self, leaves: dict | None, host: bool = False):
+        """One synchronised iteration on the host: every bucket packed from `leaves` (None: zeros,
+        a joined rank's share) and launched in plan order, then the used counts. The same
+        collectives as a hooked grad_fn step, which is what lets a joined rank shadow one.
+        Returns the pytree (jax arrays), or with `host` its leaves as numpy copies (for a callback)."""
         self._begin_iteration()
         for b in range(len(self._buffers)):
-            self._pack(b, leaves, divide=self._hook is None)
+            if leaves is None:
+                self._buffers[b].fill(0)
+            else:
+                self._pack(b, leaves, divide=self._hook is None)
             with self._lock:
                 self._ready[b] = True
                 self._launch_ready_buckets()
         self._finalize()
-        return self._unpack()
+        return self._unpack_host() if host else self._unpack()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -842,3 +1042,30 @@ def _checked_loss(loss_fn, has_aux: bool):
         return loss, aux
 
     return checked
+
+
+_JOINED_OUTSIDE = ("grad_fn got JOINED as the batch outside a step of ddp.uneven() in which some rank has joined: "
+                   "pass only what `for batch in ddp.uneven(batches)` yields")
+_END = object()
+
+
+def _zeros_like(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+class _Uneven:
+    """One step of ddp.uneven(), as every rank agreed on it."""
+
+    def __init__(self):
+        self.out = False  # this rank has run out of batches
+        self.count = 0  # how many ranks have a batch this step
+        self.template = None  # strategy="compiled", some rank joined: (treedef, [(shape, dtype)]) of a batch
+
+    def zeros_batch(self):
+        treedef, specs = self.template
+        return jax.tree_util.tree_unflatten(treedef, [np.zeros(shape, dtype) for shape, dtype in specs])
+
+
+def _batch_spec(batch):
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    return treedef, [(tuple(np.shape(x)), np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)) for x in leaves]

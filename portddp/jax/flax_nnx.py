@@ -29,6 +29,11 @@ back inside portddp's step, and writes the state the forward changed back into
   `nnx.Rngs(params=0, dropout=rank)`) for different masks, or alike for equal
   ones; `ddp.broadcast(model)` leaves them alone.
 
+Uneven inputs: `for batch in ddp.uneven(batches)` yields `ddp.JOINED` once this
+rank is out of batches; `grad_fn(model, ddp.JOINED)` shadows the others' step
+(with broadcast_buffers, the hooked strategy's Bcast of rank 0's buffers too)
+and returns (None, the mean grads), leaving the model's state as it is.
+
 strategy="pmap" maps one process's devices, which share the process's model:
 every device starts from the same state (so the same RNG streams) and the
 first device's resulting state is kept.

@@ -1,0 +1,199 @@
+"""Uneven inputs in portddp.jax (ddp.uneven), run by tests/test_jax_uneven.py:
+
+    mpirun -n 2 python -m tests.workers.jax_uneven              # every scenario, one JSON line each
+    mpirun -n 3 python -m tests.workers.jax_uneven early hooked # no uneven(): the last rank stops
+    mpirun -n 3 python -m tests.workers.jax_uneven early compiled   # one batch early (the watchdog)
+
+Rank r has 2 + r batches. Each scenario trains a small MLP in float64 with SGD with
+momentum through `for batch in ddp.uneven(batches)`, and compares the parameters with a
+reference computed in this process without portddp: at each step the mean gradient is the
+sum over the ranks that still have a batch, divided by the world size (or, with
+divide_by_initial_world_size=False, by how many ranks have one).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import portddp
+
+_EARLY = sys.argv[1:2] == ["early"]
+_STRATEGY = sys.argv[2] if _EARLY else None
+WORLD = portddp.init(torch_distributed=False, jax_distributed=not _EARLY or _STRATEGY == "compiled")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+# Flax keeps BatchNorm's statistics in float32 whatever its dtypes: its own float64 update warns.
+warnings.filterwarnings("ignore", "scatter inputs have incompatible types", FutureWarning)
+
+from portddp.data import regression_batch  # noqa: E402
+from portddp.jax import DistributedDataParallel, allreduce_hook  # noqa: E402
+from tests.workers import common  # noqa: E402
+
+IN, HID, OUT, BATCH = 5, 8, 3, 4
+LR, MOMENTUM = 0.05, 0.9
+CAP_MB = 200 / 2**20  # a few small buckets
+
+
+def init_params():
+    rng = np.random.default_rng(7)
+    return {"l1": {"w": jnp.asarray(rng.standard_normal((IN, HID)) / 3), "b": jnp.zeros(HID, jnp.float64)},
+            "l2": {"w": jnp.asarray(rng.standard_normal((HID, OUT)) / 3), "b": jnp.zeros(OUT, jnp.float64)}}
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
+    return jnp.mean((h @ params["l2"]["w"] + params["l2"]["b"] - y) ** 2)
+
+
+def batches_of(rank: int) -> list:
+    return [regression_batch(3, step, rank, BATCH, IN, OUT, dtype="float64") for step in range(2 + rank)]
+
+
+def sgd(params, velocity, grads):
+    velocity = jax.tree.map(lambda v, g: MOMENTUM * v + g, velocity, grads)
+    return jax.tree.map(lambda p, v: p - LR * v, params, velocity), velocity
+
+
+def reference(world: int, divide_by_initial_world_size: bool = True):
+    params = init_params()
+    velocity = jax.tree.map(jnp.zeros_like, params)
+    data = [batches_of(r) for r in range(world)]
+    for step in range(max(len(d) for d in data)):
+        present = [d[step] for d in data if step < len(d)]
+        grads = [jax.grad(loss_fn)(params, b) for b in present]
+        divisor = world if divide_by_initial_world_size else len(present)
+        params, velocity = sgd(params, velocity, jax.tree.map(lambda *g: sum(g) / divisor, *grads))
+    return params
+
+
+def flat(tree) -> list[float]:
+    return [float(v) for x in jax.tree.leaves(tree) for v in np.asarray(x).reshape(-1)]
+
+
+def train(name: str, strategy: str, jit: bool = False, divide_by_initial_world_size: bool = True,
+          hook: bool = False) -> None:
+    params = init_params()
+    ddp = DistributedDataParallel(params, strategy=strategy, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB,
+                                  check_finite=hook)
+    if hook:  # a comm hook and check_finite's longer used counts: a joined rank must issue them too
+        ddp.register_comm_hook(None, allreduce_hook)
+    params = ddp.broadcast(params)
+    velocity = jax.tree.map(jnp.zeros_like, params)
+    grad_fn = ddp.value_and_grad(loss_fn)
+
+    def step(params, velocity, batch):
+        loss, grads = grad_fn(params, batch)
+        return (*sgd(params, velocity, grads), loss)
+
+    if jit:
+        step = jax.jit(step)
+    steps, joined, losses = 0, 0, []
+    for batch in ddp.uneven(batches_of(WORLD.rank), divide_by_initial_world_size=divide_by_initial_world_size):
+        joined += batch is ddp.JOINED
+        params, velocity, loss = step(params, velocity, batch)
+        losses.append(None if loss is None else float(loss))
+        steps += 1
+    expected = reference(WORLD.size, divide_by_initial_world_size)
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected)))
+    common.report(WORLD.rank, name, steps=steps, joined=joined, losses=losses, max_abs_diff=diff,
+                  params=flat(params), buckets=len(ddp.bucket_plan.buckets))
+
+
+def nnx_batchnorm() -> None:
+    """An NNX model with a BatchNorm buffer (hooked broadcasts rank 0's before each step, which a
+    joined rank must shadow too), eagerly and with nnx.Optimizer: finishes with equal Params."""
+    import optax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(IN, HID, use_bias=False, rngs=rngs, dtype=jnp.float64, param_dtype=jnp.float64)
+            self.bn = nnx.BatchNorm(HID, rngs=rngs, dtype=jnp.float64, param_dtype=jnp.float64)
+            self.l2 = nnx.Linear(HID, OUT, rngs=rngs, dtype=jnp.float64, param_dtype=jnp.float64)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.bn(self.l1(x))))
+
+    def nnx_loss(model, batch):
+        x, y = batch
+        return jnp.mean((model(x) - y) ** 2)
+
+    def run(model, ddp_batches):
+        optimizer = nnx.Optimizer(model, optax.sgd(LR, momentum=MOMENTUM), wrt=nnx.Param)
+        for batches in ddp_batches:
+            grads = [nnx.grad(nnx_loss)(model, b) for b in batches]
+            optimizer.update(model, jax.tree.map(lambda *g: sum(g) / WORLD.size, *grads))
+        return model
+
+    model = Net(nnx.Rngs(params=11 + WORLD.rank))
+    ddp = DistributedDataParallel(model, strategy="hooked", bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    ddp.broadcast(model)
+    data = [batches_of(r) for r in range(WORLD.size)]
+    expected = run(nnx.clone(model), [[d[s] for d in data if s < len(d)] for s in range(max(map(len, data)))])
+    optimizer = nnx.Optimizer(model, optax.sgd(LR, momentum=MOMENTUM), wrt=nnx.Param)
+    grad_fn = ddp.nnx_value_and_grad(nnx_loss)
+    stats_before = np.asarray(model.bn.mean[...]).copy()
+    stats_at_join = None
+    steps = joined = 0
+    for batch in ddp.uneven(batches_of(WORLD.rank)):
+        if batch is ddp.JOINED and stats_at_join is None:
+            stats_at_join = np.asarray(model.bn.mean[...]).copy()
+        joined += batch is ddp.JOINED
+        loss, grads = grad_fn(model, batch)
+        optimizer.update(model, grads)
+        steps += 1
+    mine, theirs = nnx.state(model, nnx.Param), nnx.state(expected, nnx.Param)
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)))
+    kept = bool(stats_at_join is None or np.array_equal(np.asarray(model.bn.mean[...]), stats_at_join))
+    common.report(WORLD.rank, "nnx_batchnorm", steps=steps, joined=joined, max_abs_diff=diff,
+                  params=flat(mine), state_kept_while_joined=kept,
+                  stats_changed=bool(not np.array_equal(stats_before, np.asarray(model.bn.mean[...]))))
+
+
+def throw() -> None:
+    params = init_params()
+    ddp = DistributedDataParallel(params)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    steps = 0
+    try:
+        for batch in ddp.uneven(batches_of(WORLD.rank), throw_on_early_termination=True):
+            grad_fn(params, batch)
+            steps += 1
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    common.report(WORLD.rank, "throw", steps=steps, message=message)
+
+
+def early(strategy: str) -> None:
+    """No uneven(): the last rank's loop ends one batch early and its script returns."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, strategy=strategy)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    last = WORLD.rank == WORLD.size - 1
+    for step in range(2 if last else 3):
+        grad_fn(params, regression_batch(3, step, WORLD.rank, BATCH, IN, OUT, dtype="float64"))
+    print(f"rank {WORLD.rank} finished its loop", flush=True)
+
+
+def main() -> None:
+    if _EARLY:
+        early(_STRATEGY)
+        return
+    train("hooked", "hooked")
+    train("hooked/jit", "hooked", jit=True)
+    train("hooked/divide_by_initial_world_size=False", "hooked", divide_by_initial_world_size=False)
+    train("hooked/allreduce_hook+check_finite", "hooked", hook=True)
+    train("compiled", "compiled")
+    nnx_batchnorm()
+    throw()
+
+
+if __name__ == "__main__":
+    main()
