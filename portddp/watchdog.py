@@ -202,7 +202,7 @@ class Watchdog:
         return (f"{self._who(r)} left without an error (its script returned or called sys.exit) after {done} synchronised iteration(s), while this "
                 f"rank is in iteration {_STEPS.completed + 1}, whose collectives need every rank. Give every rank "
                 "the same number of batches (e.g. DistributedSampler with drop_last=True), or wrap the training "
-                "loop in `with ddp.join():` for uneven inputs")
+                "loop in `with ddp.join():` for uneven inputs (portddp.jax: `for batch in ddp.uneven(batches):`)")
 
     def check_departed(self) -> None:
         """From step_started(): a peer that already left makes this iteration impossible."""

@@ -3,11 +3,13 @@
 Mirrors `portddp.torch`: the same public names, so the two can be read side by side.
 """
 
-from portddp.jax.ddp import STRATEGIES, Canonical, DistributedDataParallel, GradBucket
+from portddp.jax.ddp import JOINED, STRATEGIES, Canonical, DistributedDataParallel, GradBucket, Joined
 from portddp.jax.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 
 __all__ = [
     "Canonical",
+    "JOINED",
+    "Joined",
     "DistributedDataParallel",
     "GradBucket",
     "STRATEGIES",
