@@ -23,7 +23,8 @@ import portddp
 
 PAPER_OVERLAP = {  # DDP paper (arXiv:2006.15704) §5.1: speedup from overlapping, per backend
     "ResNet50, NCCL": 38.0, "BERT, NCCL": 35.2, "ResNet50, Gloo": 26.8, "BERT, Gloo": 21.5}
-EXPERIMENTS = ("bench", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "bandwidth")
+EXPERIMENTS = ("bench", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "bandwidth",
+               "simulate_validate")
 COLORS = {"native": "#1f77b4", "torch-c10d": "#ff7f0e", "torch-mpi": "#2ca02c", "jax-hooked": "#d62728",
           "jax-compiled": "#9467bd", "torch-local": "#8c564b", "jax-local": "#7f7f7f"}
 
@@ -45,7 +46,7 @@ def load(results: Path) -> tuple[dict, list[dict], list[str]]:
             problems.append(f"{path}: written by portddp {payload.get('portddp_version')}, this is "
                             f"{portddp.__version__}; rerun the experiment")
             continue
-        if name not in EXPERIMENTS or ("rows" not in payload and "runs" not in payload):
+        if name not in EXPERIMENTS or not ({"rows", "runs", "points"} & set(payload)):
             problems.append(f"{path}: not a known experiment result (experiment={name!r})")
             continue
         found.setdefault(name, []).append(payload)
@@ -59,11 +60,23 @@ def load(results: Path) -> tuple[dict, list[dict], list[str]]:
 
 
 # ------------------------------------------------------------------- plots
-def plot_gantt(payload: dict, out: Path) -> Path | None:
+def _pyplot():
+    """matplotlib's pyplot without a display."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+def plot_gantt(payload: dict, out: Path) -> Path | None:
+    plt = _pyplot()
 
     rows = [r for r in payload["rows"] if r.get("events") and r["params"].get("overlap") is not False]
     if not rows:
@@ -98,17 +111,11 @@ def plot_gantt(payload: dict, out: Path) -> Path | None:
         ax.set_xlim(left=0)
     axes[-1, 0].set_xlabel("ms since forward start (one steady-state iteration, rank 0; numbers: bucket index)")
     fig.tight_layout()
-    path = out / f"gantt{_where_suffix(payload)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / f"gantt{_where_suffix(payload)}.png")
 
 
 def plot_buckets(payload: dict, out: Path) -> Path | None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = _pyplot()
 
     by_impl: dict[str, list] = {}
     for r in payload["rows"]:
@@ -141,17 +148,11 @@ def plot_buckets(payload: dict, out: Path) -> Path | None:
     a2.legend(fontsize=8)
     a2.set_ylim(0, 1.05)
     fig.tight_layout()
-    path = out / "bucket_sweep.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "bucket_sweep.png")
 
 
 def plot_scaling(payloads: list[dict], out: Path) -> Path | None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = _pyplot()
 
     points = {}
     for p in payloads:
@@ -169,10 +170,7 @@ def plot_scaling(payloads: list[dict], out: Path) -> Path | None:
     ax.set_ylabel("median ms / iteration (fixed batch per rank)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "scaling.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "scaling.png")
 
 
 def _where_suffix(payload: dict) -> str:
@@ -199,10 +197,7 @@ def _speedups(payload: dict) -> dict[str, float]:
 
 def plot_bandwidth(payload: dict, out: Path) -> Path | None:
     """Overlap speedup against link rate, per implementation, beside the DDP paper's figures."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    plt = _pyplot()
 
     points: dict[str, list] = {}
     unlimited_x = None
@@ -229,10 +224,7 @@ def plot_bandwidth(payload: dict, out: Path) -> Path | None:
     ax.set_ylabel("overlap speedup: t(off) / t(on) - 1 (%)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "bandwidth.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "bandwidth.png")
 
 
 def wire_section(payload: dict) -> str:
@@ -282,6 +274,92 @@ def bandwidth_section(payload: dict) -> str:
     return (table(["link", "torch-c10d", "torch-mpi", "jax-hooked"], body)
             + "\n\nOverlap speedup t(off) / t(on) − 1 at each link rate, one fresh emulated cluster per rate "
               "(each run's full tables are in its own JSON)." + note + "\n")
+
+
+def plot_prediction(payload: dict, out: Path) -> Path | None:
+    """Predicted against measured step time, one point per grid point, per implementation."""
+    plt = _pyplot()
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    top = 0.0
+    for impl in dict.fromkeys(p["impl"] for p in payload["points"]):
+        pts = [p for p in payload["points"] if p["impl"] == impl]
+        ax.scatter([p["measured_s"] * 1e3 for p in pts], [p["predicted_s"] * 1e3 for p in pts], s=18, label=impl,
+                   color=COLORS.get(impl), marker="o")
+        top = max(top, *(max(p["measured_s"], p["predicted_s"]) * 1e3 for p in pts))
+    ax.plot([0, top * 1.05], [0, top * 1.05], color="black", linewidth=0.7)
+    for k, style in ((0.05, "--"), (0.15, ":")):
+        ax.plot([0, top * 1.05], [0, top * 1.05 * (1 + k)], color="#999", linestyle=style, linewidth=0.7)
+        ax.plot([0, top * 1.05], [0, top * 1.05 * (1 - k)], color="#999", linestyle=style, linewidth=0.7)
+    ax.set_xlabel("measured ms / step")
+    ax.set_ylabel("predicted ms / step")
+    ax.set_title("dashed: ±5 %, dotted: ±15 %", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(plt, fig, out / "prediction.png")
+
+
+def plot_what_if(payload: dict, results: Path, out: Path) -> tuple[Path | None, str]:
+    """From the validation's source trace: predicted scaling (2 ... 256 ranks) and bucket-cap curves at
+    10/25/100 Gbit/s."""
+    plt = _pyplot()
+
+    from portddp import simulate  # noqa: PLC0415
+
+    src = payload["source"]
+    path = results / "simulate_validate" / f"cap{src['cap']:g}" / (
+        f"overlap-n{src['hosts']}-h{src['hosts']}-{src['rate']}.json")
+    if not path.exists():
+        return None, ""
+    run = json.loads(path.read_text())
+    rows = {r["label"]: r for r in run["rows"]}
+    impl = "torch-c10d"
+    world = run["world"]["size"]
+    off = simulate.Trace.from_row(rows[f"{impl} (no overlap)"], world)
+    m = payload["models"][impl]
+    model = simulate.Model(simulate.LinkModel(m["alpha_s"], m["host_s_per_byte"]), m["kappa"], m["kappa_comm"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    worlds = [2, 4, 8, 16, 32, 64, 128, 256]
+    caps = [0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
+    lines = []
+    for gbit in (10, 25, 100):
+        rate = gbit * 1e9
+        steps = [simulate.simulate(off, model, world=n, rate_bps=rate).step_s * 1e3 for n in worlds]
+        a1.plot(worlds, steps, "o-", label=f"{gbit} Gbit/s")
+        by_cap = [simulate.simulate(off, model, world=64, rate_bps=rate, bucket_cap_mb=c,
+                                    first_bucket_cap_mb=min(1.0, c)).step_s * 1e3 for c in caps]
+        a2.plot(caps, by_cap, "o-", label=f"{gbit} Gbit/s")
+        best = caps[min(range(len(caps)), key=by_cap.__getitem__)]
+        lines.append(f"{gbit} Gbit/s: {steps[0]:.0f} ms at 2 ranks, {steps[-1]:.0f} ms at 256; at 64 ranks the "
+                     f"best cap is {best:g} MB ({min(by_cap):.0f} ms; 0.25 MB: {by_cap[0]:.0f} ms, 64 MB: "
+                     f"{by_cap[-1]:.0f} ms)")
+    a1.set_xscale("log", base=2)
+    a1.set_xlabel("ranks (one per host)")
+    a1.set_ylabel("predicted ms / step")
+    a1.set_title(f"{impl}, benchmark MLP, caps of the trace", fontsize=9)
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("bucket cap (MB), 64 ranks")
+    a2.set_title("bucket size", fontsize=9)
+    for a in (a1, a2):
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    png = _save(plt, fig, out / "what_if.png")
+    return png, "\n".join(f"- {line}" for line in lines)
+
+
+def prediction_section(payload: dict) -> str:
+    body = [[impl, f"{v['median_abs_error'] * 100:.1f} %", f"{v['worst_abs_error'] * 100:.1f} %", v["points"]]
+            for impl, v in payload["per_impl"].items()]
+    src = payload["source"]
+    errs = sorted((abs(p["error"]), p) for p in payload["points"])
+    worst = errs[-1][1]
+    return (table(["implementation", "median |error|", "worst |error|", "points"], body)
+            + f"\n\nEach point of the grid (link rates x bucket caps x overlap on/off, 2 and 3 hosts) predicted by "
+              f"`portddp.simulate` from one source point ({src['hosts']} hosts, {src['rate']}, {src['cap']:g} MB; its "
+              f"own runs are not scored), against the step time measured there. Worst point: {worst['impl']} at "
+              f"{worst['hosts']} hosts, {worst['rate']}, {worst['cap']:g} MB, overlap {worst['overlap']}: predicted "
+              f"{worst['predicted_s'] * 1e3:.0f} ms, measured {worst['measured_s'] * 1e3:.0f} ms. Slowest single "
+              f"prediction: {payload['worst_predict_s'] * 1e3:.1f} ms.\n")
 
 
 # ------------------------------------------------------------------- tables
@@ -422,6 +500,18 @@ def build(results: Path, out: Path) -> Path:
         p = found["bandwidth"][-1]
         sections.append((f"Overlap against bandwidth ({where(p['runs'][0])})", bandwidth_section(p),
                          plot_bandwidth(p, out)))
+    if "simulate_validate" in found:
+        p = found["simulate_validate"][-1]
+        sections.append(("Prediction (portddp.simulate) against the emulated cluster", prediction_section(p),
+                         plot_prediction(p, out)))
+        png, text = plot_what_if(p, results, out)
+        if png is not None:
+            sections.append(("What if: more ranks, faster links, other buckets (predicted)",
+                             "Predicted from the same source trace (portddp.simulate; per-rank compute as measured "
+                             "there, a ring all-reduce, the fitted host costs):\n\n" + text + "\n\nThe DDP paper "
+                             "(§5.2) finds the best bucket size between the extremes, growing with model size; "
+                             "too small buckets pay per-message latency, too large ones delay the first "
+                             "all-reduce.\n", png))
     if "bucket_sweep" in found:
         p = found["bucket_sweep"][-1]
         sections.append(("Bucket size", generic_section(p), plot_buckets(p, out)))

@@ -46,6 +46,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from portddp.watchdog import pid_alive
+
 __all__ = ["Cluster", "parse_rate", "interface_bytes", "run", "cleanup_stale", "PREFIX"]
 
 PREFIX = "pddp"
@@ -76,16 +78,6 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def require_root() -> None:
@@ -133,7 +125,7 @@ def cleanup_stale() -> list[str]:
                        re.M)
     for name in sorted(set(n for n in names if n.startswith(PREFIX)) | set(links)):
         m = re.match(rf"{PREFIX}(\d+)", name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         if name in names:
             _kill_inside(name)

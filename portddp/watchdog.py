@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 
-__all__ = ["EXIT_CODE", "Watchdog", "listen", "start", "step_started", "step_finished"]
+__all__ = ["EXIT_CODE", "Watchdog", "listen", "pid_alive", "start", "step_started", "step_finished"]
 
 EXIT_CODE = 70
 """The exit status of a rank that stopped because another rank was lost (EX_SOFTWARE)."""
@@ -82,8 +82,8 @@ def step_finished() -> None:
     _STEPS.busy = False
 
 
-def _alive(pid: int) -> bool:
-    """Is `pid` a running process? A zombie (dead, not yet reaped) counts as gone. (For tests.)"""
+def pid_alive(pid: int) -> bool:
+    """Is `pid` a running process? A zombie (dead, not yet reaped) counts as gone."""
     if os.path.isdir("/proc/self"):
         try:
             with open(f"/proc/{pid}/stat") as f:

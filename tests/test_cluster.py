@@ -86,6 +86,16 @@ def test_every_implementation_crosses_the_link(tmp_path):
         seen.add(row["impl"])
     assert seen == {"native", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled"}, seen
     assert "h0: sent" in proc.stderr and "removed" in proc.stderr
+    # The report shows the cluster run with its bytes and bound, and replays it in the simulator.
+    from comparisons.report import build  # noqa: PLC0415
+
+    md = (build(tmp_path, tmp_path / "report").parent / "report.md").read_text()
+    assert "emulated cluster: 2 hosts x 1 rank(s), 2gbit links" in md and "### On the wire" in md
+    wire = md.split("### On the wire")[1].split("\n\n")[1]
+    assert wire.count("\n| torch-") >= 4 and "| jax-hooked |" in wire, wire
+    sim = mpi.run(None, "portddp.cli", "simulate", str(tmp_path / "overlap-n2-h2-2gbit.json"), "--world", "64",
+                  "--link", "10gbit", "--bucket-cap", "1", timeout=60)
+    assert sim.returncode == 0 and "prediction at 64 ranks, link 10 Gbit/s: step" in sim.stdout, sim.stderr
 
 
 @needs_cluster
@@ -118,10 +128,10 @@ def test_a_killed_launcher_leaves_nothing_after_the_next_start():
     removed = cluster.cleanup_stale()
     assert stale <= set(removed), (stale, removed)
     assert not {n for n in _ours() if str(launcher.pid) in n}
-    from portddp.watchdog import _alive  # noqa: PLC0415 -- a zombie (dead, not yet reaped) counts as gone
+    from portddp.watchdog import pid_alive  # noqa: PLC0415 -- a zombie (dead, not yet reaped) counts as gone
 
     time.sleep(0.5)
-    assert inside and not [p for p in inside if _alive(int(p))], inside
+    assert inside and not [p for p in inside if pid_alive(int(p))], inside
 
 
 def test_without_root_the_cluster_says_what_is_missing():
@@ -151,6 +161,6 @@ def test_sigterm_to_the_launcher_stops_the_job_and_removes_everything():
     launcher.communicate(timeout=30)
     assert launcher.returncode != 0
     assert not {n for n in _ours() if str(launcher.pid) in n}, _ours()
-    from portddp.watchdog import _alive  # noqa: PLC0415
+    from portddp.watchdog import pid_alive  # noqa: PLC0415
 
-    assert inside and not [p for p in inside if _alive(int(p))], inside
+    assert inside and not [p for p in inside if pid_alive(int(p))], inside

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from portddp.launch import _free_port
-from portddp.watchdog import EXIT_CODE, _alive
+from portddp.watchdog import EXIT_CODE, pid_alive
 from tests import mpi
 
 IMPLS = ("torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled")
@@ -72,9 +72,9 @@ def kill_mid_backward(impl: str, out: Path, launcher: str, mode: str = "kill"):
 
 def assert_no_orphans(pids):
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "orphaned rank processes"
+    assert not [p for p in pids if pid_alive(p)], "orphaned rank processes"
 
 
 def test_watchdog_alone_stops_every_survivor_naming_the_lost_rank(tmp_path):
