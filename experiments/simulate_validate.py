@@ -59,7 +59,7 @@ def grid_runs(rates, caps, hosts_list, out: Path, extra: list[str], reuse: bool)
 
 
 def predict_grid(runs: list[dict], cores: int) -> tuple[list[dict], dict]:
-    rates = sorted({r["rate"] for r in runs}, key=lambda x: simulate.parse_rate(x) or float("inf"))
+    rates = list(dict.fromkeys(r["rate"] for r in runs))  # in the order given: the first is the source's
     caps = sorted({r["cap"] for r in runs})
     src_key = (min(r["hosts"] for r in runs), rates[0], caps[len(caps) // 2])
     source = next(r for r in runs if (r["hosts"], r["rate"], r["cap"]) == src_key)
