@@ -70,7 +70,8 @@ def predict_grid(runs: list[dict], cores: int) -> tuple[list[dict], dict]:
         on = simulate.Trace.from_row(src_rows[impl], n0)
         off = simulate.Trace.from_row(src_rows[f"{impl} (no overlap)"], n0)
         model = simulate.Model.fit(on, off, simulate.parse_rate(source["rate"]))
-        models[impl] = {"alpha_s": model.link.alpha_s, "host_s_per_byte": model.link.host_s_per_byte,
+        models[impl] = {"alpha_s": model.link.alpha_s, "hop_s": model.link.hop_s,
+                        "host_s_per_byte": model.link.host_s_per_byte,
                         "kappa": model.kappa, "kappa_comm": model.kappa_comm}
         for run in runs:
             n = run["payload"]["world"]["size"]

@@ -18,7 +18,7 @@ measured timeline) and Echo (compute slowed by overlapping communication):
   thread / one Gloo queue), each starting when it is ready and the previous
   one is done (`overlap=False`: all after backward). A ring all-reduce of B
   bytes over n ranks makes each host send s = 2(n-1)/n * B; it takes
-  2(n-1) * alpha + max(s * 8 / rate, s * host_s_per_byte): the wire and the
+  alpha + 2(n-1) * hop + max(s * 8 / rate, s * host_s_per_byte): the wire and the
   hosts' own per-byte work (copies, reduction, the TCP stack) run pipelined, the
   slower one sets the pace. alpha and host_s_per_byte are fitted (`fit_link`)
   from bucket durations measured without overlap, at a known link rate.
@@ -145,18 +145,23 @@ def _caps(knobs: dict) -> tuple[float, float] | None:
 
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
-    """All-reduce time: 2(n-1) * alpha + max(wire, host) for s = 2(n-1)/n * bytes sent per host."""
+    """All-reduce time: alpha + 2(n-1) * hop + max(wire, host), s = 2(n-1)/n * bytes sent per host.
+
+    alpha: the fixed cost of one collective (launch, host bookkeeping); hop: the latency of one ring
+    step. From samples at one world size the two cannot be told apart: hop is then 0 and alpha holds
+    both (fine at that size; pass hop_s explicitly to extrapolate to many ranks)."""
 
     alpha_s: float
     host_s_per_byte: float
     rate_bps: float | None = None  # where it was fitted (informative)
+    hop_s: float = 0.0
 
     def allreduce_s(self, nbytes: float, world: int, rate_bps: float | None) -> float:
         if world <= 1:
             return 0.0
         sent = 2 * (world - 1) / world * nbytes
         wire = sent * 8 / rate_bps if rate_bps else 0.0
-        return 2 * (world - 1) * self.alpha_s + max(wire, sent * self.host_s_per_byte)
+        return self.alpha_s + 2 * (world - 1) * self.hop_s + max(wire, sent * self.host_s_per_byte)
 
 
 def samples_from_trace(trace: Trace, rate_bps: float | None) -> list[tuple[int, int, float | None, float]]:
@@ -182,23 +187,26 @@ def fit_link(samples: Sequence[tuple[int, int, float | None, float]]) -> LinkMod
     sent = 2 * (n - 1) / n * b
     wire = sent * 8 / rate
     hops = 2 * (n - 1)
-    best = (math.inf, 0.0, 0.0)
+    best = (math.inf, (0.0, 0.0), 0.0)
+
+    several_sizes = len(set(n.tolist())) > 1
+    design = np.stack([np.ones_like(hops), hops], axis=1) if several_sizes else np.ones((len(t), 1))
 
     def consider(grid):
         nonlocal best
-        # t = hops * alpha + max(wire, sent * h): for each h, alpha in closed form (>= 0).
+        # t = alpha + hops * hop + max(wire, sent * h): for each h, (alpha, hop) by least squares (>= 0).
         for h in grid:
             rest = t - np.maximum(wire, sent * h)
-            alpha = max(0.0, float(np.sum(rest * hops) / np.sum(hops * hops)))
-            err = float(np.sum((rest - hops * alpha) ** 2))
+            coef = np.clip(np.linalg.lstsq(design, rest, rcond=None)[0], 0.0, None)
+            err = float(np.sum((rest - design @ coef) ** 2))
             if err < best[0]:
-                best = (err, alpha, float(h))
+                best = (err, (float(coef[0]), float(coef[1]) if several_sizes else 0.0), float(h))
 
     consider(np.concatenate([[0.0], np.logspace(-12, -6, 241)]))  # coarse, then around the best
     if best[2] > 0:
         consider(np.linspace(best[2] / 1.07, best[2] * 1.07, 281))
     rates = {s[2] for s in samples}
-    return LinkModel(best[1], best[2], rates.pop() if len(rates) == 1 else None)
+    return LinkModel(best[1][0], best[2], rates.pop() if len(rates) == 1 else None, best[1][1])
 
 
 def fit_contention(on: Trace, off: Trace) -> float:
@@ -344,6 +352,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compression", type=float, default=1.0, help="0.5 for fp16/bf16 hooks")
     parser.add_argument("--no-sync-every", type=int, default=1)
     parser.add_argument("--compute-scale", type=float, default=1.0, help="compute time x this (faster device: < 1)")
+    parser.add_argument("--hop-latency-us", type=float, default=None, help="latency of one ring step (default: "
+                        "fitted; 0 when the trace has one world size -- set it to extrapolate to many ranks)")
     ns = parser.parse_args(argv)
     payload = json.loads(open(ns.result).read())
     trace_rate = (payload.get("cluster") or {}).get("rate_bps")
@@ -356,6 +366,8 @@ def main(argv=None) -> int:
     off_row = rows.get(f"{ns.impl} (no overlap)")
     off = Trace.from_row(off_row, world) if off_row else on
     model = Model.fit(on, off, trace_rate) if off_row else Model(fit_link(samples_from_trace(on, trace_rate)))
+    if ns.hop_latency_us is not None:
+        model = dataclasses.replace(model, link=dataclasses.replace(model.link, hop_s=ns.hop_latency_us * 1e-6))
     link = model.link
     rate = parse_rate(ns.link) if ns.link else trace_rate
     # Replayed: the iteration without overlap (compute undisturbed by communication), when there is one.
@@ -366,7 +378,7 @@ def main(argv=None) -> int:
     print(f"trace: {ns.impl} from {ns.result} ({world} ranks, link "
           f"{'unlimited' if not trace_rate else f'{trace_rate / 1e6:.0f} Mbit/s'}): measured step "
           f"{rows[ns.impl]['median_s'] * 1e3:.1f} ms")
-    print(f"link model: alpha {link.alpha_s * 1e6:.1f} us, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
+    print(f"link model: alpha {link.alpha_s * 1e6:.1f} us per all-reduce, {link.hop_s * 1e6:.1f} us per ring step, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
           + (f"(host-bound at {8 / link.host_s_per_byte / 1e9:.2f} Gbit/s)" if link.host_s_per_byte else
              "(wire-bound)") + f"; contention: compute x(1 + {model.kappa:.2f} f), communication beside compute "
           f"x{1 + model.kappa_comm:.2f}")

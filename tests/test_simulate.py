@@ -102,12 +102,16 @@ def test_replanning_gives_portddp_buckets_plan():
 
 
 def test_fit_link_recovers_latency_and_host_cost_from_synthetic_sweeps():
-    truth = LinkModel(alpha_s=200e-6, host_s_per_byte=2e-9)
+    truth = LinkModel(alpha_s=200e-6, host_s_per_byte=2e-9, hop_s=30e-6)
     samples = [(b, n, rate, truth.allreduce_s(b, n, rate)) for b in (1e5, 1e6, 4e6, 16e6, 64e6)
                for n in (2, 4) for rate in (None, 1e9, 10e9)]
     fit = fit_link(samples)
     assert fit.alpha_s == pytest.approx(200e-6, rel=0.02)
+    assert fit.hop_s == pytest.approx(30e-6, rel=0.02)
     assert fit.host_s_per_byte == pytest.approx(2e-9, rel=0.05)
+    # One world size: the per-step latency cannot be told from the fixed cost; it folds into alpha.
+    one = fit_link([s for s in samples if s[1] == 2])
+    assert one.hop_s == 0.0 and one.alpha_s == pytest.approx(200e-6 + 2 * 30e-6, rel=0.02)
 
 
 def test_a_prediction_takes_well_under_a_second():
