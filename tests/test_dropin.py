@@ -84,8 +84,6 @@ NATIVE_ERRORS = [
     ("hook_half", r"comm hook .*half's future for bucket 0 resolved to a \(15,\) float32 tensor"),
     ("hook_not_a_future", r"comm hook .*not_a_future returned Tensor for bucket 0; a hook must return a "
                           r"torch\.futures\.Future"),
-    ("hook_some_ranks", r"comm hooks differ across ranks \(rank 0: none, rank 1: .*one_element\): call "
-                        r"register_comm_hook with the same hook on every rank"),
 ]
 
 

@@ -553,8 +553,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if grad_sync:
             self._check_prior_reduction_finished()
-            if not self._iterations and not getattr(self, "_hooks_compared", False):
-                self._compare_hooks()
             if self._tuner is not None and not self._tuner.done:
                 self._autotune(start)
             if self._rebuild_order is not None:
@@ -632,19 +630,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             "output, run forwards you do not train on under torch.no_grad() or on ddp.module, or pass "
             "find_unused_parameters=True if some outputs are not used in the loss"
         )
-
-    def _compare_hooks(self) -> None:
-        """Before the first reduction: every rank must reduce with the same comm hook (or none); a hook
-        on some ranks only would issue other collectives than the rest and hang or corrupt them."""
-        self._hooks_compared = True
-        if self.world_size == 1:
-            return
-        mine = None if self._hook is None else _hook_name(self._hook)
-        everyone = self._comm.allgather_object(mine)
-        if len(set(everyone)) > 1:
-            shown = ", ".join(f"rank {r}: {h or 'none'}" for r, h in enumerate(everyone))
-            raise RuntimeError(f"comm hooks differ across ranks ({shown}): call register_comm_hook with the same "
-                               "hook on every rank, before the first forward")
 
     def _will_sync_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers())
