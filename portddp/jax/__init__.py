@@ -4,7 +4,8 @@ Mirrors `portddp.torch`: the same public names, so the two can be read side by s
 """
 
 from portddp.jax.ddp import JOINED, STRATEGIES, Canonical, DistributedDataParallel, GradBucket, Joined
-from portddp.jax.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
+from portddp.jax.hooks import (PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook,
+                               powerSGD_hook)
 
 __all__ = [
     "Canonical",
@@ -12,9 +13,11 @@ __all__ = [
     "Joined",
     "DistributedDataParallel",
     "GradBucket",
+    "PowerSGDState",
     "STRATEGIES",
     "allreduce_hook",
     "bf16_compress_hook",
     "fp16_compress_hook",
     "noop_hook",
+    "powerSGD_hook",
 ]
