@@ -54,12 +54,14 @@ process's devices (pmap).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 from jax.experimental import io_callback
 
@@ -106,10 +108,11 @@ class GradBucket:
     """What a comm hook sees: one bucket's flat numpy buffer and how to reduce it."""
 
     def __init__(self, index: int, buffer: np.ndarray, names: list[str], num_buckets: int, transport,
-                 world_size: int):
+                 world_size: int, layout: list[tuple[int, tuple[int, ...]]] = ()):
         self._index = index
         self._buffer = buffer
         self._names = names
+        self._layout = list(layout)  # (offset, shape) per parameter, in buffer order
         self._is_last = index == num_buckets - 1
         self._transport = transport
         self.world_size = world_size
@@ -122,6 +125,11 @@ class GradBucket:
 
     def parameters(self) -> list[str]:
         return list(self._names)
+
+    def gradients(self) -> list[np.ndarray]:
+        """One view of the buffer per parameter, shaped like it (the canonical layout), as PyTorch's
+        GradBucket.gradients() gives."""
+        return [self._buffer[off:off + math.prod(shape)].reshape(shape) for off, shape in self._layout]
 
     def is_last(self) -> bool:
         return self._is_last
@@ -299,7 +307,8 @@ class DistributedDataParallel:
         self._buffers = [np.zeros(b.numel, dtype=jnp.dtype(b.dtype)) for b in plan.buckets]
         self._grad_buckets = [
             GradBucket(b, buf, [self._names[k] for k in plan.buckets[b].params], len(plan.buckets), self._transport,
-                       self.world_size)
+                       self.world_size, [(off, plan.specs[k].shape) for k, off in
+                                         zip(plan.buckets[b].params, plan.buckets[b].offsets)])
             for b, buf in enumerate(self._buffers)
         ]
         self._taps = [self._make_tap(b) for b in range(len(plan.buckets))]

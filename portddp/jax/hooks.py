@@ -89,9 +89,8 @@ class PowerSGDState:
             fresh random one.
         orthogonalization_epsilon: added to each column norm in Gram-Schmidt (guards all-zero columns).
         random_seed: seeds `rng`, which draws one seed per random Q initialisation, in bucket order.
-        ddp: the portddp.jax.DistributedDataParallel the hook serves -- needed only while the
-            JAX GradBucket has no `gradients()` (per-parameter views); its bucket_plan gives the
-            parameter shapes and offsets in each bucket.
+        ddp: not needed (GradBucket.gradients() gives the per-parameter views); kept for a
+            bucket object without gradients(), whose DDP's bucket_plan then gives the shapes.
     """
 
     def __init__(self, process_group=None, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,

@@ -171,7 +171,7 @@ def train(name, steps=6, cap_mb=25.0, jax_cap_mb=None, hook=True, **kw):
                                     canonical=[Canonical(jax.tree_util.keystr((jax.tree_util.DictKey(n),)), n, None)
                                                for n in names])
     params = ddp_j.broadcast(params)
-    j_state = PowerSGDState(ddp=ddp_j, **kw)
+    j_state = PowerSGDState(**kw)  # GradBucket.gradients() gives the shapes
     j_seen = []
 
     def j_hook(state, bucket):
