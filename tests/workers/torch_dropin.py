@@ -17,45 +17,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.join import Join
-from torch.utils.checkpoint import checkpoint
 
 import portddp
 from portddp.data import regression_batch
 from portddp.torch import DistributedDataParallel
 from tests.workers import common
-from tests.workers.torch_equivalence import max_diff
+from tests.workers.torch_equivalence import BATCH, IN, OUT, make, max_diff
 
 NativeDDP = nn.parallel.DistributedDataParallel
-IN, OUT, BATCH = 16, 4, 8
 CAP_MB = 0.004
-
-
-class Net(nn.Module):
-    def __init__(self, batchnorm=False, branch=False, checkpointed=False):
-        super().__init__()
-        self.fc1 = nn.Linear(IN, 32)
-        self.bn = nn.BatchNorm1d(32) if batchnorm else None
-        self.fc2 = nn.Linear(32, 32)
-        self.branch = nn.Linear(32, 32) if branch else None
-        self.head = nn.Linear(32, OUT)
-        self.checkpointed = checkpointed
-
-    def body(self, h):
-        return torch.relu(self.fc2(h))
-
-    def forward(self, x, use_branch=False):
-        h = torch.relu(self.fc1(x))
-        if self.bn is not None:
-            h = self.bn(h)
-        h = checkpoint(self.body, h, use_reentrant=True) if self.checkpointed else self.body(h)
-        if use_branch:
-            h = h + torch.tanh(self.branch(h))
-        return self.head(h)
-
-
-def make(dtype=torch.float32, **kw):
-    torch.manual_seed(1234)
-    return Net(**kw).to(dtype)
 
 
 def batch(step, rank, dtype=torch.float32):

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 import portddp
@@ -33,10 +34,12 @@ IN, OUT, BATCH, STEPS = 16, 4, 8, 5
 
 
 class Net(nn.Module):
-    """A small MLP, optionally with BatchNorm and a branch that is not always used."""
+    """A small MLP, optionally with BatchNorm, a branch that is not always used, and its middle
+    layer under reentrant activation checkpointing."""
 
-    def __init__(self, batchnorm=False, branch=False):
+    def __init__(self, batchnorm=False, branch=False, checkpointed=False):
         super().__init__()
+        self.checkpointed = checkpointed
         self.fc1 = nn.Linear(IN, 32)
         self.bn = nn.BatchNorm1d(32) if batchnorm else None
         self.fc2 = nn.Linear(32, 32)
@@ -48,7 +51,10 @@ class Net(nn.Module):
         h = torch.relu(self.fc1(x))
         if self.bn is not None:
             h = self.bn(h)
-        h = torch.relu(self.fc2(h))
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.fc2(t)), h, use_reentrant=True)
+        else:
+            h = torch.relu(self.fc2(h))
         if use_branch:
             h = h + torch.tanh(self.branch(h))
         return self.head(h)
