@@ -27,11 +27,11 @@ A goodbye is not always harmless: a rank whose loop ends early (one batch
 fewer, a `sys.exit(0)`) leaves the others waiting in a collective it will
 never join. The goodbye therefore carries how many synchronised DDP
 iterations the rank finished (`step_started`/`step_finished`, called by
-DistributedDataParallel). A survivor that starts an iteration the departed
-rank never reached, or is still inside one PORTDDP_EARLY_EXIT_GRACE_S seconds
-(default 5) after the goodbye, exits the same way, naming the rank, its count
-and the fix (`join()` for uneven inputs). (The grace lets a rank that left
-because of an error every rank hits -- bad input -- raise its own.)
+DistributedDataParallel). A survivor that is in (or starts) an iteration the
+departed rank never reached, PORTDDP_EARLY_EXIT_GRACE_S seconds (default 5)
+after the goodbye, exits the same way, naming the rank, its count and the fix
+(`join()` / `ddp.uneven()` for uneven inputs). (The grace lets a rank that
+left because of an error every rank hits -- bad input -- raise its own.)
 
 Knobs: `portddp.init(watchdog=False)` or PORTDDP_WATCHDOG=0 turns it off;
 PORTDDP_WATCHDOG_S (default 0.25 s) is how often the launcher is checked. A
@@ -205,9 +205,12 @@ class Watchdog:
                 "loop in `with ddp.join():` for uneven inputs (portddp.jax: `for batch in ddp.uneven(batches):`)")
 
     def check_departed(self) -> None:
-        """From step_started(): a peer that already left makes this iteration impossible."""
-        for r in list(self._departed):
-            what = self._left_early(r)
+        """From step_started(): a peer that already left makes this iteration impossible -- once its
+        goodbye is older than the grace period (before that, this rank may be about to fail on the same
+        bad input by itself; the thread's loop judges it then)."""
+        now = time.monotonic()
+        for r, at in list(self._departed_at.items()):
+            what = self._left_early(r) if now - at >= self._grace_s else None
             if what is not None:
                 self._exit(what)
 
