@@ -67,3 +67,11 @@ common.report(ddp_rank, "torchrun_style", distributed=ddp, world=ddp_world_size,
               local_rank=int(os.environ.get("LOCAL_RANK", -1)))
 if ddp:
     destroy_process_group()
+# PyTorch's own C++ teardown after destroy_process_group() sometimes aborts the process ("terminate called
+# without an active exception", ~1 run in 10, with or without portddp; README, Reliability): the results are
+# written by now, so run the exit handlers and leave without it, as the torchrun test does.
+import atexit  # noqa: E402
+
+atexit._run_exitfuncs()
+sys.stdout.flush()
+os._exit(0)
