@@ -65,18 +65,12 @@ class TorchBucket:
 
 
 class JaxBucket(GradBucket):
-    """portddp.jax's GradBucket with gradients() (per-parameter views), as PyTorch's has."""
+    """portddp.jax's GradBucket over a hand-made buffer (its gradients() gives the per-parameter views)."""
 
     def __init__(self, index, buffer, shapes, num_buckets):
-        super().__init__(index, buffer, [str(s) for s in shapes], num_buckets, get_transport(), WORLD.size)
-        self._grads, off = [], 0
-        for shape in shapes:
-            n = int(np.prod(shape))
-            self._grads.append(buffer[off:off + n].reshape(shape))
-            off += n
-
-    def gradients(self):
-        return list(self._grads)
+        offsets = np.cumsum([0] + [int(np.prod(s)) for s in shapes])[:-1]
+        super().__init__(index, buffer, [str(s) for s in shapes], num_buckets, get_transport(), WORLD.size,
+                         [(int(o), tuple(s)) for o, s in zip(offsets, shapes)])
 
 
 def hooks_alone(name, buckets, iters=6, dtype=np.float32, **kw):
