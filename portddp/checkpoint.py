@@ -41,12 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-from portddp.buckets import BucketPlan
 
 __all__ = ["Checkpoint", "CheckpointError", "save", "load"]
 
 MAGIC = b"PORTDDP-CKPT"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct(f"<{len(MAGIC)}sIQ32s")  # magic, version, payload bytes, sha256(payload)
 
 
@@ -153,8 +152,7 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
         "step": int(step),
         "world_size": ddp.world_size,
         "specs": _model_specs(ddp),
-        "bucket_plan": ddp.bucket_plan.to_json(),
-        "bucket_cap_mb": ddp.bucket_cap_mb,
+        "plan": ddp.plan_state(),
         "rng": rngs,
         "extra": extra,
     }
@@ -249,7 +247,7 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
         r, e = bad[0]
         raise CheckpointError(error or f"rank {r} cannot load the checkpoint: {e}")
     _set_rng_state(payload["rng"][ddp.rank])
-    _install_plan(ddp, BucketPlan.from_json(payload["bucket_plan"]), payload["bucket_cap_mb"])
+    ddp.load_plan_state(payload["plan"])
     if _is_torch(ddp):
         ddp.module.load_state_dict(_to_torch(payload["module"]))
         if optimizer is not None:
@@ -284,18 +282,3 @@ def _check_matches(payload: dict, ddp, path) -> None:
 
 def _plain(x):
     return tuple(x) if isinstance(x, list) else x
-
-
-def _install_plan(ddp, plan: BucketPlan, cap_mb: float) -> None:
-    """Use the saved plan (and cap, which bucket_cap_mb="auto" had chosen) from now on, as if
-    this run had rebuilt it itself."""
-    if plan.specs != ddp.bucket_plan.specs:
-        raise CheckpointError("the saved bucket plan is for other parameters")
-    ddp.bucket_cap_mb = cap_mb
-    if getattr(ddp, "_tuner", None) is not None:
-        ddp._tuner.chosen = cap_mb  # tuned already, in the run that saved it
-    ddp._install_plan(plan)
-    ddp._rebuild_order = None
-    if getattr(ddp, "strategy", "hooked") == "hooked":
-        ddp._rebuilt = True
-    ddp._observed_order = [k for b in plan.buckets for k in b.params]

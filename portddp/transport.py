@@ -51,18 +51,29 @@ def _is_half(dtype: np.dtype) -> bool:
 
 
 class Handle:
-    """A launched collective. `wait()` blocks until it is done and re-raises its error."""
+    """A launched collective, the JAX side's `torch.futures.Future`: `wait()` blocks until it is
+    done and re-raises its error; `then(fn)` chains work on the result, as a future's does."""
 
-    __slots__ = ("_event", "_error", "launch_ns", "start_ns", "done_ns", "result", "_on_done")
+    __slots__ = ("_event", "_error", "launch_ns", "start_ns", "done_ns", "result", "_on_done", "_lock", "_next")
 
     def __init__(self, on_done: Callable[["Handle"], None] | None = None):
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._on_done = on_done
+        self._lock = threading.Lock()
+        self._next: list[Callable[[], None]] = []
         self.launch_ns = time.perf_counter_ns()  # queued
         self.start_ns = 0  # the comm thread picked it up
         self.done_ns = 0
         self.result = None
+
+    @classmethod
+    def completed(cls, result=None) -> "Handle":
+        """A handle that is done already (a hook that communicates nothing)."""
+        handle = cls()
+        handle.result, handle.done_ns = result, handle.launch_ns
+        handle._finish()
+        return handle
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -73,6 +84,44 @@ class Handle:
         if self._error is not None:
             raise self._error
         return self.result
+
+    def then(self, fn: Callable[["Handle"], object]) -> "Handle":
+        """A handle for `fn(self)`, run once this one is done (on the comm thread, or here if it is
+        done already); its result is what `fn` returns, its error what `fn` or this handle raised."""
+        child = Handle()
+        child.launch_ns = self.launch_ns
+
+        def run():
+            child.start_ns = self.start_ns
+            try:
+                if self._error is not None:
+                    raise self._error
+                child.result = fn(self)
+            except BaseException as e:
+                child._error = e
+            child.done_ns = time.perf_counter_ns()
+            child._finish()
+
+        with self._lock:
+            if not self._event.is_set():
+                self._next.append(run)
+                return child
+        run()
+        return child
+
+    def _finish(self) -> None:
+        """Run `on_done` (before the event: a waiter must see what it writes), mark done, then
+        whatever `then()` chained."""
+        if self._on_done is not None:
+            try:
+                self._on_done(self)
+            except BaseException as e:
+                self._error = self._error or e
+        with self._lock:
+            self._event.set()
+            chained, self._next = self._next, []
+        for run in chained:
+            run()
 
 
 class MPITransport:
@@ -121,12 +170,7 @@ class MPITransport:
             except BaseException as e:  # handed to whoever waits
                 handle._error = e
             handle.done_ns = time.perf_counter_ns()
-            if handle._on_done is not None:
-                try:  # before the event: a waiter must see what on_done writes
-                    handle._on_done(handle)
-                except BaseException as e:
-                    handle._error = handle._error or e
-            handle._event.set()
+            handle._finish()
 
     def _submit(self, job, on_done=None) -> Handle:
         if self._thread is None:

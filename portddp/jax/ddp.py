@@ -946,6 +946,26 @@ class DistributedDataParallel:
         self._finalize()
         return self._unpack_host() if host else self._unpack()
 
+    def plan_state(self) -> dict:
+        """The bucket plan in use and the cap it was made with, as plain JSON (what a checkpoint keeps
+        so a resumed run buckets exactly as the saved one did, without re-learning the order)."""
+        return {"bucket_plan": self._plan.to_json(), "bucket_cap_mb": self.bucket_cap_mb}
+
+    def load_plan_state(self, state: dict) -> None:
+        """Use a plan from `plan_state()` from now on, as if this run had rebuilt (and autotuned) it
+        itself. The plan must be for the same parameters."""
+        plan = BucketPlan.from_json(state["bucket_plan"])
+        if plan.specs != self._plan.specs:
+            raise ValueError("load_plan_state: the saved bucket plan is for other parameters than this model's")
+        self.bucket_cap_mb = state["bucket_cap_mb"]
+        if self._tuner is not None:
+            self._tuner.chosen = self.bucket_cap_mb  # tuned already, in the run that saved it
+        self._install_plan(plan)
+        self._rebuild_order = None
+        self._observed_order = [k for b in plan.buckets for k in b.params]
+        if self.strategy == "hooked":
+            self._rebuilt = True
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""

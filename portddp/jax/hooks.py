@@ -35,10 +35,11 @@ def _compress_hook(bucket, dtype) -> Handle:
     # Cast, then divide before the sum: a sum of undivided float16 gradients overflows first.
     compressed = buffer.astype(dtype) / dtype(bucket.world_size)
 
-    def decompress(_handle):  # on the comm thread, before the handle reports done
-        buffer[...] = compressed.astype(buffer.dtype)
+    def decompress(handle):
+        buffer[...] = handle.result
+        return buffer
 
-    return bucket.allreduce(compressed, on_done=decompress)
+    return bucket.allreduce(compressed).then(decompress)
 
 
 def fp16_compress_hook(state, bucket) -> Handle:
@@ -54,10 +55,7 @@ def bf16_compress_hook(state, bucket) -> Handle:
 def noop_hook(state, bucket) -> Handle:
     """No communication at all: the headroom measurement (gradients stay local, undivided).
     `ddp.register_comm_hook(None, noop_hook)`"""
-    handle = Handle()
-    handle.done_ns = handle.launch_ns
-    handle._event.set()
-    return handle
+    return Handle.completed(bucket.buffer())
 
 
 # --------------------------------------------------------------------------- PowerSGD
@@ -192,23 +190,23 @@ class _PowerSGDHandle(Handle):
     order after launching them all, so every rank issues its collectives in the same order (a
     launch from the comm thread could land before or after the next bucket's, differently per rank)."""
 
-    __slots__ = ("_finish",)
+    __slots__ = ("_rest",)
 
     def __init__(self, first: Handle, finish):
         super().__init__()
         self.launch_ns = first.launch_ns
-        self._finish = finish
+        self._rest = finish
 
     def wait(self, timeout: float | None = None):
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
+        if self._rest is not None:
+            finish, self._rest = self._rest, None
             self.start_ns = time.perf_counter_ns()
             try:
                 self.result = finish()
             except BaseException as e:
                 self._error = e
             self.done_ns = time.perf_counter_ns()
-            self._event.set()
+            self._finish()
         return super().wait(timeout)
 
 
