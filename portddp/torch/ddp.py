@@ -41,8 +41,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from portddp import launch, watchdog
-from portddp.autotune import CapTuner
 from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
+from portddp.config import DDPConfig
 from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
@@ -50,8 +50,6 @@ from portddp.torch.comm import TRANSPORTS, make_comm
 __all__ = ["DistributedDataParallel", "GradBucket"]
 
 _now = time.perf_counter_ns
-_DEFAULT_CAP_MB = 25.0  # native's default bucket_cap_mb (MiB) ...
-_DEFAULT_FIRST_CAP_MB = 1.0  # ... and its first bucket's cap when bucket_cap_mb is not given
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -225,24 +223,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         Joinable.__init__(self)
         # Validate everything local before talking to other ranks: every rank
         # sees the same arguments, so every rank raises the same error.
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {transport!r}: choose one of {TRANSPORTS}")
+        config = DDPConfig.resolve(bucket_cap_mb, first_bucket_cap_mb, transport=transport, transports=TRANSPORTS,
+                                   overlap=overlap, check_finite=check_finite)
         process_group = self._native_arguments(
             module, device_ids, output_device, process_group, device_mesh, mixed_precision, bucket_cap_mb_list,
             delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction)
-        self._tuner = CapTuner() if isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto" else None
-        if self._tuner is not None:
-            bucket_cap_mb = self._tuner.first
-        if first_bucket_cap_mb is None:  # native: a small first bucket only when the cap is the default
-            first_bucket_cap_mb = _DEFAULT_FIRST_CAP_MB if bucket_cap_mb is None or self._tuner else bucket_cap_mb
-        if bucket_cap_mb is None:
-            bucket_cap_mb = _DEFAULT_CAP_MB
-        cap_bytes(bucket_cap_mb, "bucket_cap_mb")
-        cap_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
+        self.config = config
+        self._tuner = config.tuner()
         self.module = module
         self.dim = dim
-        self.bucket_cap_mb = bucket_cap_mb
-        self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.bucket_cap_mb = config.bucket_cap_mb
+        self.first_bucket_cap_mb = config.first_bucket_cap_mb
         if forward_sync_buffers is None:
             forward_sync_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
             init_sync_buffers = forward_sync_buffers
@@ -255,9 +246,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
         self.mixed_precision = None
-        self.overlap = overlap
-        self.transport = transport
-        self.check_finite = check_finite
+        self.overlap = config.overlap
+        self.transport = config.transport
+        self.check_finite = config.check_finite
         self.require_backward_grad_sync = True  # no_sync() flips this
         self.require_forward_param_sync = True  # native's: buffers sync before a forward that follows a synced one
         self.broadcast_bucket_size = 250 * 1024 * 1024
@@ -271,9 +262,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         specs = self._specs()
 
         if process_group is None:  # (a custom group's members are the caller's business)
-            check_same_config(launch.allgather_object({
-                "bucket_cap_mb": "auto" if self._tuner else bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
-                "transport": transport, "check_finite": bool(check_finite)}))
+            check_same_config(launch.allgather_object(config.exchanged()))
         self._comm = make_comm(transport, process_group)
         # What native exposes (scripts pass it to their own collectives); with transport="mpi", the
         # default c10d group if there is one.
@@ -287,7 +276,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._verify_same_model(specs)
         self._hook = None
         self._hook_state = None
-        self._install_plan(plan_buckets(specs, bucket_cap_mb, first_bucket_cap_mb))
+        self._install_plan(plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb))
         # Ranks start identical: rank 0's parameters and buffers everywhere.
         if self.world_size > 1 and init_sync:
             self._broadcast_state(src=0, buffers=init_sync_buffers)
