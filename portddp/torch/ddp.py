@@ -30,22 +30,20 @@ wrapper is an `nn.Module` like native's (`state_dict()` keys carry `module.`,
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 
 from portddp import launch, watchdog
-from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
+from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.config import DDPConfig
 from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
+from portddp.torch.native import NativeInterface, _done
 
 __all__ = ["DistributedDataParallel", "GradBucket"]
 
@@ -98,47 +96,7 @@ class GradBucket:
         return self._comm.allreduce(tensor)
 
 
-class _StaticGraphSink(torch.autograd.Function):
-    """static_graph=True: the forward's outputs pass through here, and its backward -- the
-    first node of the outermost backward pass -- queues the end-of-backward callback there.
-    Reentrant backward passes (activation checkpointing with use_reentrant=True) run their
-    gradient hooks inside a nested pass; the callback must not end the iteration with it."""
-
-    @staticmethod
-    def forward(ctx, ddp_ref, *tensors):
-        ctx.ddp_ref = ddp_ref
-        return tuple(t.clone() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ddp = ctx.ddp_ref()
-        if ddp is not None and ddp._expect_grads:
-            ddp._queue_finalize()
-        return (None, *grads)
-
-
-class _JoinHook(JoinHook):
-    """What a rank that ran out of inputs does inside `Join` while the others still train:
-    issue the collectives of their forward and backward passes (zeros for the gradients),
-    then, once everyone has joined, take the model of the last rank to join."""
-
-    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool):
-        if ddp._tuner is not None and not ddp._tuner.done:
-            raise RuntimeError("join() with bucket_cap_mb='auto' is refused while the caps are still being timed "
-                               f"(the first {ddp._tuner.iterations} iterations): pass a fixed bucket_cap_mb")
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
-
-    def main_hook(self) -> None:
-        self.ddp._shadow_iteration()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        ddp = self.ddp
-        src = ddp._find_common_rank(is_last_joiner)
-        ddp._broadcast_state(src=src, buffers=ddp.forward_sync_buffers)
-
-
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
     """Data parallelism by gradient averaging with communication overlapped with backward.
 
     Takes native `torch.nn.parallel.DistributedDataParallel`'s arguments, in its
@@ -293,106 +251,14 @@ class DistributedDataParallel(nn.Module, Joinable):
                               for i, p in enumerate(self._params)]
 
     # ------------------------------------------------------------------ setup
-    def _native_arguments(self, module, device_ids, output_device, process_group, device_mesh, mixed_precision,
-                          bucket_cap_mb_list, delay_all_reduce_named_params, param_to_hook_all_reduce,
-                          check_reduction):
-        """Native DDP's checks of its own arguments, with native's words where they exist; returns
-        the process group to use (device_mesh's, if one was given)."""
-        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
-            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the "
-                             "same time.")
-        if process_group is not None and device_mesh is not None:
-            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-        if device_mesh is not None:
-            if device_mesh.ndim != 1:
-                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-            process_group = device_mesh.get_group(mesh_dim=0)
-        self.device_mesh = device_mesh
-        if mixed_precision is not None:
-            raise NotImplementedError(
-                "mixed_precision is not supported by portddp.torch.DistributedDataParallel (native's own is a "
-                "private prototype): pass mixed_precision=None and use torch.autocast for the forward, or "
-                "register_comm_hook(None, fp16_compress_hook / bf16_compress_hook) to reduce in half precision")
-        if bucket_cap_mb_list:
-            raise NotImplementedError(
-                f"bucket_cap_mb_list={bucket_cap_mb_list!r} is not supported by portddp: pass bucket_cap_mb=<cap> "
-                "and first_bucket_cap_mb=<first bucket's cap> (keyword-only) instead")
-        if check_reduction:
-            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
-                          "Please avoid using it.", FutureWarning, stacklevel=3)
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self._delayed = []  # (name, param): reduced together after backward
-        for name, param in delay_all_reduce_named_params or ():
-            self.parameters_to_ignore.add(name)
-            if param.requires_grad:
-                self._delayed.append((name, param))
-        params = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
-        if not any(p.requires_grad for p in params):
-            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "
-                               "that requires a gradient (and portddp needs at least one in the buckets).")
-        for p in params:
-            if isinstance(p, nn.parameter.UninitializedParameter):
-                raise RuntimeError("Modules with uninitialized parameters can't be used with "
-                                   "`DistributedDataParallel`. Run a dummy forward pass to correctly initialize "
-                                   "the modules")
-            if p.device.type == "meta":
-                raise ValueError("the module has parameters on the meta device (no storage): materialise them "
-                                 "first, e.g. module.to_empty(device='cpu') and initialise, then wrap")
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError("device_ids can only be None or contain a single element.")
-        types = {p.device.type for p in params}
-        if len(types) != 1:
-            raise ValueError("DistributedDataParallel's input module must be on the same type of devices, but "
-                             f"input module parameters locate in {types}.")
-        multi_device = len({p.device for p in params}) > 1
-        if not device_ids or types == {"cpu"} or multi_device:
-            if device_ids or output_device:
-                raise ValueError(
-                    "DistributedDataParallel device_ids and output_device arguments only work with "
-                    "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
-                    f"{device_ids}, output_device {output_device}, and module parameters "
-                    f"{ {p.device for p in params} }. On CPU pass device_ids=None (or leave it out).")
-            self.device_ids = None
-            self.output_device = None
-        else:
-            index = [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
-            self.device_ids = index
-            out = output_device if output_device is not None else device_ids[0]
-            self.output_device = torch.device(out).index if not isinstance(out, int) else out
-        return process_group
-
     def _specs(self) -> list[ParamSpec]:
         return [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type)
                 for n, p in zip(self._names, self._params)]
-
-    def _warn_if_alone(self) -> None:
-        """A job of N ranks whose DDP sees a world of 1 trains N independent models."""
-        launched = launch.detect().size
-        if launched > 1 and self.world_size == 1:
-            warnings.warn(
-                f"this job has {launched} ranks ({launch.detect().launcher}), but DistributedDataParallel's "
-                f"{self.transport} group has 1: every rank will train its own model, nothing is averaged. "
-                "Call portddp.init() (or init_process_group with the launcher's world) before wrapping",
-                RuntimeWarning, stacklevel=3)
 
     def _verify_same_model(self, specs: list[ParamSpec]) -> None:
         """Compare every rank's parameter list with rank 0's; name the first difference."""
         everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
         check_same_specs(everyone, "model mismatch across ranks", "parameter", "trainable parameters")
-
-    @property
-    def broadcast_buffers(self) -> bool:
-        """Native's older name for forward_sync_buffers."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
-    @property
-    def bucket_bytes_cap(self) -> int:
-        """The bucket cap in bytes (native's attribute)."""
-        return cap_bytes(self.bucket_cap_mb, "bucket_cap_mb")
 
     def _module_buffers(self) -> list[torch.Tensor]:
         """Looked up each time, as native does: a module may reassign a buffer."""
@@ -491,44 +357,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = old
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """Train on uneven inputs: `with ddp.join(): for batch in my_batches: ...` (native's API).
-
-        A rank that runs out of batches keeps issuing the collectives of the
-        others' iterations (zero gradients) until all have joined; then every
-        rank takes the model of the last rank to join. Gradients are divided by
-        the initial world size, or with divide_by_initial_world_size=False by
-        the number of ranks still training. throw_on_early_termination=True
-        makes every rank raise as soon as one runs out instead."""
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs) -> JoinHook:
-        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        if self.process_group is None:
-            raise RuntimeError("join() notifies the ranks over c10d, and no c10d process group exists: call "
-                               "portddp.init() (it creates one under mpirun too) before wrapping the model")
-        return self.process_group
-
-    def _set_static_graph(self) -> None:
-        """Native's private switch for static_graph=True (some trainers call it after wrapping)."""
-        if self.static_graph:
-            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
-        self.static_graph = True
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore) -> None:
-        """Parameters and buffers (by name) DDP leaves alone; call before wrapping (native's API)."""
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
-
     # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
@@ -573,16 +401,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.static_graph:
                 output = self._through_sink(output)
         return output
-
-    def _through_sink(self, output):
-        leaves, spec = torch.utils._pytree.tree_flatten(output)
-        idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return output
-        passed = _StaticGraphSink.apply(weakref.ref(self), *[leaves[k] for k in idx])
-        for k, t in zip(idx, passed):
-            leaves[k] = t
-        return torch.utils._pytree.tree_unflatten(leaves, spec)
 
     def _check_parameters_unchanged(self) -> None:
         """A model whose trainable parameters changed after wrapping would train them un-averaged."""
@@ -630,23 +448,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             with torch.no_grad():
                 self._comm.broadcast_(self._module_buffers(), src=src)
 
-    def _find_common_rank(self, candidate: bool) -> int:
-        """The highest rank for which `candidate` holds (a collective; native's tie-break)."""
-        votes = torch.zeros(self.world_size, dtype=torch.int32)
-        votes[self.rank] = int(candidate)
-        if self.world_size > 1:
-            votes = self._comm.allreduce(votes).wait()
-        chosen = [r for r, v in enumerate(votes.tolist()) if v]
-        if not chosen:
-            raise RuntimeError("join(): no rank qualified as the source of the model (a portddp bug)")
-        return chosen[-1]
-
-    def _exchange_sync_flag(self, sync: bool):
-        """join(): every rank says whether it synchronises this iteration (joined ranks: no); the sum
-        is the number of ranks that contribute gradients."""
-        flag = torch.tensor([int(sync)], dtype=torch.int32)
-        return self._comm.allreduce(flag) if self.world_size > 1 else _done(flag)
-
     def _begin_iteration(self, start_ns: int) -> None:
         n_buckets = len(self._bucket_buffers)
         self._pending = list(self._bucket_sizes)  # params still to arrive, per bucket
@@ -680,7 +481,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _queue_finalize(self) -> None:
         if not self._finalize_queued:
             # Runs once autograd has finished the whole graph.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._finalize_queued = True
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
@@ -771,7 +572,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "bucket (bucket.buffer() after the reduction), not a part or a summary of it")
         return tensor
 
-    def _finalize_backward(self) -> None:
+    def _finalize(self) -> None:
         """End of backward: launch the rest, wait in order, agree on unused params, write .grad."""
         self._expect_grads = False
         missing = [i for i, seen in enumerate(self._seen) if not seen]
@@ -821,26 +622,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         used = torch.frombuffer(bytearray(flags), dtype=torch.uint8).to(torch.int32)
         return self._comm.allreduce(used) if self.world_size > 1 else _done(used)
 
-    def _launch_delayed(self):
-        """delay_all_reduce_named_params: one flat all-reduce of their (divided) gradients."""
-        if not self._delayed:
-            return None
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for _, p in self._delayed]).mul_(self._inv_world)
-        return flat, self._comm.allreduce(flat)
-
-    def _write_delayed(self, delayed) -> None:
-        flat, fut = delayed
-        fut.wait()
-        offset = 0
-        for _, p in self._delayed:
-            reduced = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = reduced.clone()
-            else:
-                p.grad.copy_(reduced)
-
     def _raise_unused(self, counts: list[int]) -> None:
         raise unused_parameters_error(self._names, counts, self._contributors, self.rank, self._seen)
 
@@ -865,7 +646,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ------------------------------------------------------------------ join
     def _shadow_iteration(self) -> None:
         """join(): this rank has no inputs left; issue the collectives of the others' forward
-        and backward (in the same order as _pre_forward and _finalize_backward do)."""
+        and backward (in the same order as _pre_forward and _finalize do)."""
         if self._rebuild_order is not None:
             self._rebuild()
         if self._will_sync_buffers():
@@ -876,7 +657,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             return  # the others run a local (no_sync) or no_grad forward
         zeros = [torch.zeros_like(buf) for buf in self._bucket_buffers]
         futures = [self._reduce_bucket(b, z) for b, z in enumerate(zeros)]
-        if self._hook is not None:  # the order of _finalize_backward
+        if self._hook is not None:  # the order of _finalize
             futures = [fut.wait() for fut in futures] and []
         if self._delayed:
             futures.append(self._comm.allreduce(torch.zeros(sum(p.numel() for _, p in self._delayed),
@@ -948,9 +729,3 @@ def _tensor_of(value) -> torch.Tensor:
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     return value
-
-
-def _done(value) -> torch.futures.Future:
-    fut = torch.futures.Future()
-    fut.set_result(value)
-    return fut
