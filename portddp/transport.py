@@ -143,15 +143,29 @@ class MPITransport:
         self.comm = (comm or world).Dup()
         self.rank = self.comm.rank
         self.size = self.comm.size
-        # How to wait (PORTDDP_MPI_WAIT=spin|sleep overrides; measured on the emulated cluster, README):
-        # within one host, MPI's blocking all-reduce over shared memory is fastest; across hosts, a
-        # nonblocking ring all-reduce (MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM, set by portddp.launch)
-        # waited for without spinning -- with 3 ranks on 3 hosts, 1.6x faster than the blocking one.
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.multi_host = local.size < self.size
-        local.Free()
-        self._spin = os.environ.get("PORTDDP_MPI_WAIT", "sleep" if self.multi_host else "spin") == "spin"
+        # The ranks on this host (MPI's shared-memory split, refined by hostname: portddp.shm).
+        from portddp.shm import ShmAllreduce, node_comm  # noqa: PLC0415
+
+        self.node = node_comm(self.comm)
+        self.local_rank, self.local_size = self.node.rank, self.node.size
+        self.multi_host = self.local_size < self.size
+        # How to wait for MPI (PORTDDP_MPI_WAIT=spin|sleep): MPICH's blocking collectives poll a full
+        # core while a peer is late; a nonblocking one tested with sleeps in between costs ~4 % of
+        # the wait (README, Performance: waiting). Across hosts it is also the faster one (a ring,
+        # MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM, set by portddp.launch).
+        self._spin = os.environ.get("PORTDDP_MPI_WAIT", "sleep") == "spin"
         self._max_pause = float(os.environ.get("PORTDDP_MPI_POLL_US", 500)) * 1e-6
+        # The all-reduce (PORTDDP_MPI_ALLREDUCE=shm|mpi): within a host on a shared-memory window
+        # (portddp.shm; hierarchical across hosts), or MPI's own.
+        self.allreduce_impl = os.environ.get("PORTDDP_MPI_ALLREDUCE", "shm")
+        if self.allreduce_impl not in ("shm", "mpi"):
+            raise ValueError(f"PORTDDP_MPI_ALLREDUCE={self.allreduce_impl!r}: choose shm or mpi")
+        self._shm = None
+        sizes = set(self.comm.allgather(self.local_size))
+        if self.allreduce_impl == "shm" and self.local_size > 1 and len(sizes) == 1:
+            self._shm = ShmAllreduce(self.comm, self.node, wait=self._complete, half_op=_half_sum_op)
+        else:
+            self.allreduce_impl = "mpi"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="portddp-mpi-comm", daemon=True)
         self._thread.start()
@@ -187,19 +201,43 @@ class MPITransport:
             return [buf.view(np.uint16), self._MPI.UINT16_T], _half_sum_op(buf.dtype)
         return buf, self._MPI.SUM
 
+    def empty(self, shape, dtype) -> np.ndarray:
+        """An uninitialised buffer for `allreduce`: inside this host's shared-memory window when the
+        shared-memory all-reduce is on (then `allreduce` reads and writes it where it lies: no
+        copies), else ordinary memory. Any thread, not collective; freed with its last view."""
+        if self._shm is not None:
+            buf = self._shm.empty(shape, dtype)
+            if buf is not None:
+                return buf
+        return np.empty(shape, dtype)
+
+    def is_shared(self, buf: np.ndarray) -> bool:
+        """Whether `allreduce(buf)` takes the zero-copy path (buf lies in the shared window)."""
+        return self._shm is not None and self._shm.offset_of(buf) is not None
+
     def allreduce(self, buf: np.ndarray, on_done=None) -> Handle:
         """Sum `buf` over all ranks, in place. Returns at once."""
         spec, op = self._typed(buf)
         MPI = self._MPI
+        shm = self._shm
 
         def job():
-            if self._spin:
+            if shm is not None:
+                shm.allreduce(buf)
+            elif self._spin:
                 self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
             else:
                 self._wait(self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op))
             return buf
 
         return self._submit(job, on_done)
+
+    def _complete(self, request) -> None:
+        """Wait for a nonblocking request the configured way (PORTDDP_MPI_WAIT)."""
+        if self._spin:
+            request.Wait()
+        else:
+            self._wait(request)
 
     def _wait(self, request) -> None:
         """Wait for a nonblocking collective without spinning: test it (which also drives MPI's
@@ -216,7 +254,10 @@ class MPITransport:
         spec, _ = self._typed(buf)
 
         def job():
-            self.comm.Bcast(spec, root=root)
+            if self._spin:
+                self.comm.Bcast(spec, root=root)
+            else:
+                self._wait(self.comm.Ibcast(spec, root=root))
             return buf
 
         return self._submit(job, on_done)
@@ -229,7 +270,7 @@ class MPITransport:
         return self._submit(lambda: self.comm.bcast(obj, root=root)).wait()
 
     def barrier(self) -> None:
-        self._submit(self.comm.Barrier).wait()
+        self._submit(lambda: self.comm.Barrier() if self._spin else self._wait(self.comm.Ibarrier())).wait()
 
     def close(self) -> None:
         thread, self._thread = self._thread, None

@@ -1,0 +1,345 @@
+"""All-reduce within a host on MPI-3 shared memory, hierarchical across hosts.
+
+The ranks of one host (MPI's `COMM_TYPE_SHARED` split, refined by hostname) map each other's
+shared-memory segment: one /dev/shm file per rank, mapped by all, unlinked at once. (Not
+`MPI_Win_allocate_shared`: under MPICH's OFI netmod, the emulated cluster's, a window still alive
+at MPI_Finalize aborts the job -- "fabricclose failed: Device or resource busy" -- and freeing it is
+collective, so a rank leaving on an error would hang in the free while its peers wait for it.)
+Each rank's segment holds a small header (a sequence counter and a descriptor of the data
+it offers), a scratch area and an arena that `empty()` allocates buffers from. One all-reduce:
+
+1. every rank publishes where its data is (an offset into its own segment: a buffer from the
+   arena is used where it lies -- zero copy --, any other buffer is first copied into scratch)
+   and bumps its counter;
+2. once every peer's counter has moved, local rank r sums slice r (1/L of the elements) straight
+   from every peer's memory, in local-rank order, into its own data (across hosts it then
+   all-reduces that slice with the ranks of the same local rank on the other hosts, over MPI);
+3. counters again; each rank copies the other slices' results from their owners into its buffer;
+4. counters again, so that no rank reuses its buffer while a peer still reads it.
+
+Nothing spins: a rank whose peer is not there yet sleeps in the kernel (a futex on the peer's
+counter, woken by the peer's store; a sleeping poll where futexes are unavailable).
+
+Summation order: at L = 2 the result is a0 + a1, bitwise what MPI's all-reduce gives (a sum of
+two is commutative, also for the half types, which are summed as MPI's op in portddp.transport
+does: float32, rounded once). At L > 2 each element is ((a0 + a1) + a2) + ..., in local-rank
+order, the same on every rank and every run; MPI's own order at L > 2 depends on its algorithm.
+Across hosts: the host sums (in local-rank order), then MPI's sum of those over the hosts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import socket
+import threading
+import time
+import weakref
+
+import numpy as np
+
+__all__ = ["ShmAllreduce", "node_comm"]
+
+_ALIGN = 64  # bytes: slices and allocations start on a cache line
+_HEADER = 4096  # per-rank header: counter (int32, the futex word) + descriptor
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8", "int16", "uint16",
+           "uint32", "uint64", "complex64", "complex128")
+
+# -- waiting without spinning ---------------------------------------------------------------------
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_futex = None
+if _SYS_FUTEX is not None and os.environ.get("PORTDDP_SHM_FUTEX", "1") != "0":
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL while it sleeps
+        _futex = _libc.syscall
+        _futex.restype = ctypes.c_long
+        _futex.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_int]
+    except (OSError, AttributeError):
+        _futex = None
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the word lives in memory other processes map
+_WAIT_SLICE = _Timespec(0, 20_000_000)  # re-check every 20 ms even without a wake-up
+
+
+def node_comm(comm):
+    """The ranks of `comm` that share this host's memory: MPI's shared-memory split, further split
+    by hostname (the emulated cluster's hosts are network namespaces of one machine; MPI may see
+    them as one node, but the point of the emulation is that hosts do not share memory)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    names = shared.allgather(socket.gethostname())
+    if len(set(names)) == 1:
+        return shared
+    color = sorted(set(names)).index(socket.gethostname())
+    node = shared.Split(color, key=comm.rank)
+    shared.Free()
+    return node
+
+
+class ShmAllreduce:
+    """Shared-memory all-reduce among the ranks of `comm` on this host; hierarchical when `comm`
+    spans several hosts (all with the same number of ranks). Collective to construct. Its
+    `allreduce` must be called by every rank of `comm` in the same order (portddp's comm thread
+    does), `empty` by anyone, at any time."""
+
+    def __init__(self, comm, node=None, scratch_bytes: int | None = None, arena_bytes: int | None = None,
+                 wait=None, half_op=None):
+        from mpi4py import MPI  # noqa: PLC0415
+
+        self._MPI = MPI
+        self.comm = comm
+        self.node = node if node is not None else node_comm(comm)
+        self.local_rank, self.local_size = self.node.rank, self.node.size
+        sizes = comm.allgather(self.local_size)
+        self.hosts = comm.size // self.local_size
+        if len(set(sizes)) != 1:
+            raise ValueError(f"hosts have different numbers of ranks ({sorted(set(sizes))}): the hierarchical "
+                             "all-reduce needs the same number on every host")
+        # the ranks with my local rank on the other hosts (MPI all-reduces each host's slice among them)
+        self.cross = comm.Split(self.local_rank, key=comm.rank) if self.hosts > 1 else None
+        self._wait_request = wait or (lambda req: req.Wait())
+        self._half_op = half_op
+        mb = 1 << 20
+        self.scratch_bytes = _round(int(scratch_bytes or float(os.environ.get("PORTDDP_SHM_SCRATCH_MB", 16)) * mb))
+        self.arena_bytes = _round(int(arena_bytes if arena_bytes is not None
+                                      else float(os.environ.get("PORTDDP_SHM_ARENA_MB", 1024)) * mb))
+        # every rank must chunk alike: same scratch size everywhere
+        if len(set(comm.allgather(self.scratch_bytes))) != 1:
+            raise ValueError("PORTDDP_SHM_SCRATCH_MB differs between ranks")
+        seg = _HEADER + self.scratch_bytes + self.arena_bytes
+        self._fd, self._segs = _map_segments(self.node, seg, _HEADER + self.scratch_bytes)
+        self._seg_addr = self._segs[self.local_rank].ctypes.data
+        self._counters = [s[:4].view(np.int32) for s in self._segs]
+        self._desc = [s[8:64].view(np.int64) for s in self._segs]  # offset, nbytes, dtype code, count
+        self._counter_addr = [s.ctypes.data for s in self._segs]
+        self._seq = 0
+        self.node.Barrier()
+        # arena: first fit over free blocks [start, end) (offsets into my segment)
+        self._arena_lo = _HEADER + self.scratch_bytes
+        self._free = [(self._arena_lo, self._arena_lo + self.arena_bytes)] if self.arena_bytes else []
+        self._lock = threading.Lock()
+        self.cpu_waiting = 0.0  # seconds of CPU this rank's waits used (for the benchmark)
+        self.wall_waiting = 0.0
+
+    # -- buffers ---------------------------------------------------------------------------------
+    def empty(self, shape, dtype) -> np.ndarray | None:
+        """An uninitialised array in this rank's part of the shared window (its space returns to
+        the arena when the array and every view of it are gone), or None when the arena is full."""
+        dtype = np.dtype(dtype)
+        nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+        size = _round(nbytes)
+        with self._lock:
+            for i, (lo, hi) in enumerate(self._free):
+                if hi - lo >= size:
+                    self._free[i] = (lo + size, hi)
+                    if lo + size == hi:
+                        del self._free[i]
+                    break
+            else:
+                return None
+        try:  # back the block now: a full /dev/shm then means ordinary memory, not a SIGBUS later
+            os.posix_fallocate(self._fd, lo, size)
+        except OSError:
+            self._release(lo, size)
+            return None
+        # The root array owns the block: numpy makes every view's base this array (not the
+        # window), so the block is released only when the last view is gone.
+        root = np.frombuffer(memoryview(self._segs[self.local_rank])[lo:lo + nbytes], dtype=np.uint8)
+        weakref.finalize(root, self._release, lo, size)
+        return root[: nbytes - nbytes % dtype.itemsize].view(dtype).reshape(shape)
+
+    def _release(self, lo: int, size: int) -> None:
+        with self._lock:
+            blocks = sorted([*self._free, (lo, lo + size)])
+            merged = [blocks[0]]
+            for a, b in blocks[1:]:
+                if a == merged[-1][1]:
+                    merged[-1] = (merged[-1][0], b)
+                else:
+                    merged.append((a, b))
+            self._free = merged
+
+    def offset_of(self, buf: np.ndarray) -> int | None:
+        """Where `buf` lies in my segment (None if it does not)."""
+        addr = buf.ctypes.data
+        off = addr - self._seg_addr
+        if self._arena_lo <= off and off + buf.nbytes <= self._arena_lo + self.arena_bytes:
+            return off
+        return None
+
+    # -- synchronisation -------------------------------------------------------------------------
+    def _signal(self) -> None:
+        self._seq += 1
+        _fence()  # my data and descriptor before my counter
+        self._counters[self.local_rank][0] = self._seq
+        if _futex is not None:
+            _futex(_SYS_FUTEX, self._counter_addr[self.local_rank], _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    def _wait_peers(self) -> None:
+        """Until every local peer's counter reached mine (kernel sleep, no spinning)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        target = self._seq
+        for j in range(self.local_size):
+            if j == self.local_rank:
+                continue
+            counter = self._counters[j]
+            pause = 20e-6
+            while True:
+                seen = int(counter[0])
+                if seen - target >= 0:
+                    break
+                if _futex is not None:
+                    _futex(_SYS_FUTEX, self._counter_addr[j], _FUTEX_WAIT, seen, ctypes.byref(_WAIT_SLICE),
+                           None, 0)
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 500e-6)
+        _fence()  # their stores before my loads
+        self.cpu_waiting += time.thread_time() - c0
+        self.wall_waiting += time.perf_counter() - t0
+
+    # -- the all-reduce --------------------------------------------------------------------------
+    def allreduce(self, buf: np.ndarray) -> np.ndarray:
+        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking."""
+        if not buf.flags.c_contiguous:
+            raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
+        flat = buf.reshape(-1)
+        if flat.dtype.name not in _DTYPES:
+            raise TypeError(f"no shared-memory sum for dtype {flat.dtype}")
+        item = flat.dtype.itemsize
+        chunk = max(self.scratch_bytes // item, 1)
+        home = self.offset_of(flat)
+        for start in range(0, max(flat.size, 1), chunk):
+            part = flat[start:start + chunk]
+            self._one(part, None if home is None else home + start * item)
+        return buf
+
+    def _one(self, part: np.ndarray, offset: int | None) -> None:
+        me, n = self.local_rank, self.local_size
+        dtype, count = part.dtype, part.size
+        if offset is None:  # copy into my scratch
+            offset = _HEADER
+            self._view(me, offset, dtype, count)[...] = part
+        self._desc[me][:4] = (offset, part.nbytes, _DTYPES.index(dtype.name), count)
+        self._signal()
+        self._wait_peers()
+        views = []
+        for j in range(n):
+            off, nbytes, code, cnt = (int(x) for x in self._desc[j][:4])
+            if nbytes != part.nbytes or code != _DTYPES.index(dtype.name) or cnt != count:
+                raise RuntimeError(f"local rank {j} all-reduces {cnt} x {_DTYPES[code]} while local rank {me} "
+                                   f"all-reduces {count} x {dtype.name}: the ranks issue different collectives")
+            views.append(self._view(j, off, dtype, count))
+        bounds = _bounds(count, n, dtype.itemsize)
+        lo, hi = bounds[me], bounds[me + 1]
+        mine = views[me][lo:hi]
+        if hi > lo:
+            _sum_into(mine, [v[lo:hi] for v in views], me)
+        if self.cross is not None:
+            self._cross_allreduce(mine)
+        self._signal()
+        self._wait_peers()
+        out = part if part.ctypes.data != views[me].ctypes.data else None
+        for j in range(n):
+            a, b = bounds[j], bounds[j + 1]
+            if b > a and (j != me or out is not None):
+                (out if out is not None else views[me])[a:b] = views[j][a:b]
+        self._signal()
+        self._wait_peers()
+
+    def _cross_allreduce(self, mine: np.ndarray) -> None:
+        MPI = self._MPI
+        if mine.dtype.name in ("float16", "bfloat16"):
+            spec, op = [mine.view(np.uint16), MPI.UINT16_T], self._half_op(mine.dtype)
+        else:
+            spec, op = mine, MPI.SUM
+        self._wait_request(self.cross.Iallreduce(MPI.IN_PLACE, spec, op=op))
+
+    def _view(self, j: int, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
+        return self._segs[j][offset:offset + count * dtype.itemsize].view(dtype)
+
+
+def _map_segments(node, seg: int, backed: int):
+    """One file of `seg` bytes per local rank in /dev/shm, every rank mapping all of them; the files
+    are unlinked once mapped, so the memory goes when the processes do (also after kill -9).
+    The first `backed` bytes of mine are allocated now (the rest as `empty` hands it out)."""
+    import mmap  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(where, f"portddp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    error = ""
+    try:
+        os.ftruncate(fd, seg)
+        os.posix_fallocate(fd, 0, backed)
+    except OSError as e:
+        error = f"{path}: {e}"
+    errors = [x for x in node.allgather(error) if x]
+    paths = node.allgather(path)
+    try:
+        if errors:
+            raise OSError(f"no shared memory for the all-reduce: {errors[0]}")
+        segs = []
+        for j, p in enumerate(paths):
+            if j == node.rank:
+                mm = mmap.mmap(fd, seg, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            else:
+                with open(p, "r+b") as f:
+                    mm = mmap.mmap(f.fileno(), seg, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            segs.append(np.frombuffer(mm, dtype=np.uint8))
+        node.Barrier()  # everyone has mapped everyone's file
+    finally:
+        os.unlink(path)
+    return fd, segs
+
+
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier (a lock's acquire and release imply one), so the data a counter
+    announces is visible before the counter, also on weakly ordered CPUs."""
+    with _fence_lock:
+        pass
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _bounds(count: int, n: int, itemsize: int) -> list[int]:
+    """Slice boundaries for n ranks, each on a cache line where the size allows."""
+    step = max(_ALIGN // itemsize, 1)
+    units = (count + step - 1) // step
+    return [min(units * j // n * step, count) for j in range(n)] + [count]
+
+
+def _sum_into(out: np.ndarray, parts: list[np.ndarray], me: int) -> None:
+    """out = ((parts[0] + parts[1]) + parts[2]) + ..., where out is parts[me]'s memory."""
+    half = out.dtype.name in ("float16", "bfloat16")
+    add = _half_add if half else np.add
+    if me <= 1:  # parts[me] is consumed by the first addition, so accumulate in place
+        add(parts[0], parts[1], out)
+        for p in parts[2:]:
+            add(out, p, out)
+        return
+    acc = np.empty_like(out)
+    add(parts[0], parts[1], acc)
+    for p in parts[2:]:
+        add(acc, p, acc)
+    out[...] = acc
+
+
+def _half_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """A half-type sum exactly as portddp.transport's MPI op: in float32, rounded once."""
+    np.copyto(out, (a.astype(np.float32) + b.astype(np.float32)).astype(out.dtype))

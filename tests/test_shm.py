@@ -1,0 +1,59 @@
+"""The shared-memory all-reduce (portddp/shm.py) against MPI's own, under mpirun.
+
+n=2: bitwise equal to MPI's Allreduce for float32/float64/float16/bfloat16, sizes from 1 element
+to 300,001 (odd ones included), through the zero-copy path (a buffer from `empty`) and the copy
+path; n=3 (oversubscribed): close, and every rank holds the same bits; the emulated cluster's
+two hosts (root only): the hierarchical path."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from portddp import cluster
+from tests import mpi
+
+
+def _check(proc, n: int, impl: str, hosts: int = 1) -> None:
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0, out[-5000:]
+    failed = re.findall(r"SHM_CASE rank=\d+ \S+ FAIL.*", proc.stdout)
+    assert not failed, "\n".join(failed[:20])
+    cases = re.findall(r"SHM_CASE rank=(\d+) (\S+) ok", proc.stdout)
+    per_rank = {r: sum(1 for rank, _ in cases if rank == str(r)) for r in range(n)}
+    assert len(set(per_rank.values())) == 1 and per_rank[0] >= 59, per_rank
+    assert f"impl={impl} local={n // hosts} hosts={hosts}" in proc.stdout, out[:2000]
+    # every case of the worker was checked: dtypes x sizes x paths, views, chunks, refusal, arena
+    names = {name for _, name in cases}
+    for name in ("bfloat16-1-zero-copy", "float16-300001-copy", "float64-7-zero-copy", "view-in-window",
+                 "chunked-copy", "non-contiguous-refused"):
+        assert name in names, sorted(names)[:50]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_shm_allreduce_matches_mpi(n):
+    proc = mpi.run(n, "tests.workers.shm_allreduce", timeout=240, env={"PORTDDP_MPI_ALLREDUCE": "shm"})
+    _check(proc, n, "shm")
+    if n == 3:
+        assert "arena-free" in proc.stdout and "chunked-zero-copy" in proc.stdout
+
+
+def test_mpi_allreduce_still_selectable():
+    proc = mpi.run(2, "tests.workers.shm_allreduce", timeout=240, env={"PORTDDP_MPI_ALLREDUCE": "mpi"})
+    _check(proc, 2, "mpi")
+
+
+WHY = cluster.unavailable()
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"no emulated cluster here: {WHY}")
+def test_hierarchical_on_two_emulated_hosts():
+    import subprocess  # noqa: PLC0415
+
+    proc = subprocess.run([sys.executable, "-m", "portddp.cluster", "-n", "4", "--hosts", "2", "--link", "2gbit",
+                           "--", sys.executable, "-m", "tests.workers.shm_allreduce"],
+                          cwd=mpi.ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PORTDDP_MPI_ALLREDUCE": "shm", "PYTHONUNBUFFERED": "1"})
+    _check(proc, 4, "shm", hosts=2)
