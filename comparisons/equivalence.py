@@ -29,17 +29,15 @@ import sys
 from pathlib import Path
 
 import portddp
+from harness.adapter import Workload, make_trainer
+from harness.compare import BOUNDS, SAME_FRAMEWORK_BOUND, worst_deviation
+from harness.config import parse_config
+from harness.results import environment, write_result
 from portddp.launch import detect
-from experiments.common import environment, parse_config, write_result
 
 IMPLS = ("torch-ref", "native-ddp", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "jax-ref")
-OPTIMIZERS = ("sgd", "adamw", "sgd-unfused")  # sgd-unfused: see comparisons/runners.py
-BOUNDS = {"float64": 1e-10, "float32": 1e-3}
-"""Against the reference. float64: DESIGN.md. float32: measured, not assumed -- after 10 AdamW steps on
-gpt at n=3, jax-ref (one JAX process, no communication at all) is 2.3e-4 from torch-ref: Adam divides by
-sqrt(v) and so amplifies the two frameworks' different rounding. The bound covers that with a margin."""
-SAME_FRAMEWORK_BOUND = {"float64": 1e-10, "float32": 1e-4}
-"""Against the own framework's single-process reference: what DDP itself may add (measured <= 2e-5)."""
+ADAPTER = {"torch-ref": "torch-local", "native-ddp": "native", "jax-ref": "jax-local"}
+"""This harness's names -> harness.adapter's implementations (the -ref ones train on the global batch)."""
 
 
 @dataclasses.dataclass
@@ -57,13 +55,22 @@ class Config:
     out: str = dataclasses.field(default="results/equivalence", metadata={"help": "output directory"})
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    from portddp.models import MODELS, SIZES  # noqa: PLC0415
+def workload(cfg: Config, world_size: int) -> Workload:
+    """The model, data and optimizer every implementation trains (validated; the batch is per rank)."""
+    work = Workload(model=cfg.model, size=cfg.size, batch=max(1, cfg.global_batch // world_size), dtype=cfg.dtype,
+                    optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed)
+    work.validate(world_size)
+    return work
 
-    for value, valid, what in ((cfg.model, MODELS, "model"), (cfg.size, SIZES, "size"),
-                               (cfg.dtype, tuple(BOUNDS), "dtype"), (cfg.optimizer, OPTIMIZERS, "optimizer")):
-        if value not in valid:
-            raise SystemExit(f"unknown {what} {value!r}: choose one of {valid}")
+
+def make_runner(name: str, work: Workload, world, cfg: Config):
+    """One implementation, by this harness's name, with several buckets; JAX in the PyTorch twin's layout."""
+    return make_trainer(ADAPTER.get(name, name), work, world, global_batch=name.endswith("-ref"),
+                        bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=cfg.bucket_cap_mb / 4,
+                        torch_layout=name.startswith("jax"))
+
+
+def validate(cfg: Config, world_size: int) -> None:
     unknown = [i for i in cfg.impls if i not in IMPLS]
     if unknown:
         raise SystemExit(f"unknown implementation(s) {unknown}: choose from {IMPLS}")
@@ -79,6 +86,7 @@ def reference_of(cfg: Config) -> str:
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, description=__doc__.split("\n\n")[0])
     validate(cfg, detect().size)
+    work = workload(cfg, detect().size)
     world = portddp.init(jax_distributed=any(i.startswith("jax") for i in cfg.impls))
 
     import jax  # noqa: PLC0415 -- after init(): XLA threads and jax.distributed come first
@@ -86,7 +94,6 @@ def main(argv=None) -> int:
     jax.config.update("jax_enable_x64", cfg.dtype == "float64")
     import numpy as np  # noqa: PLC0415
 
-    from comparisons.runners import make_runner  # noqa: PLC0415
     from portddp.transport import get_transport  # noqa: PLC0415
 
     transport = get_transport()
@@ -105,11 +112,14 @@ def main(argv=None) -> int:
     own_refs: dict = {}  # framework -> trace of its single-process reference, when it runs
     results = {}
     for name in order:
-        runner = make_runner(name, cfg, world)
-        trace = [runner.step(k) for k in range(cfg.steps)]
+        runner = make_runner(name, work, world, cfg)
+        trace = []
+        for _ in range(cfg.steps):
+            runner.step()
+            trace.append(runner.trace())
         # Every implementation's loss as the global-batch loss: the mean over ranks of the local ones.
         gathered = transport.allgather_object([t.loss for t in trace])
-        losses = gathered[0] if runner.global_loss else [float(np.mean([g[k] for g in gathered]))
+        losses = gathered[0] if runner.global_batch else [float(np.mean([g[k] for g in gathered]))
                                                          for k in range(cfg.steps)]
         if name == ref_name:
             reference = (losses, trace)
@@ -143,24 +153,6 @@ def main(argv=None) -> int:
         print(f"wrote {out}/")
         print("EQUIVALENT" if ok else "NOT EQUIVALENT: a deviation exceeds its bound")
     return 0 if ok else 1
-
-
-def worst_deviation(losses: list, trace: list, reference: tuple) -> dict:
-    """Worst loss / gradient / parameter deviation over the steps from a (losses, trace) reference."""
-    dev = {"loss": 0.0, "grads": 0.0, "params": 0.0}
-    for k, t in enumerate(trace):
-        dev["loss"] = max(dev["loss"], abs(losses[k] - reference[0][k]) / max(1.0, abs(reference[0][k])))
-        dev["grads"] = max(dev["grads"], deviation(t.grads, reference[1][k].grads))
-        dev["params"] = max(dev["params"], deviation(t.params, reference[1][k].params))
-    return dev
-
-
-def deviation(got: dict, want: dict) -> float:
-    import numpy as np  # noqa: PLC0415
-
-    if set(got) != set(want):
-        raise RuntimeError(f"tensor names differ: {sorted(set(got) ^ set(want))[:5]}")
-    return max(float(np.abs(got[k] - want[k]).max() / max(1.0, float(np.abs(want[k]).max()))) for k in want)
 
 
 def print_table(results: dict, ref_name: str, bound: float, same_bound: float) -> None:

@@ -10,7 +10,7 @@ broadcast, the same bucket plan and flat layout, the same rebuild and the same
 all-reduces in the same order. So every all-reduce sums PyTorch gradients with
 JAX gradients. Checked each step: every rank's parameters against every other
 rank's (lockstep: bitwise equal, since both frameworks apply the momentum
-update with the same roundings, runners.UnfusedSGD) and against one PyTorch
+update with the same roundings, harness.adapter.UnfusedSGD) and against one PyTorch
 process on the global batch (within the harness's bound for the dtype). Exits
 1 if either check fails.
 """
@@ -21,8 +21,9 @@ import dataclasses
 import sys
 
 import portddp
-from comparisons.equivalence import BOUNDS, Config as EquivalenceConfig, deviation, validate
-from experiments.common import parse_config
+from harness.adapter import Workload, make_trainer
+from harness.compare import BOUNDS, deviation
+from harness.config import parse_config
 from portddp.launch import detect
 
 
@@ -44,10 +45,13 @@ def main(argv=None) -> int:
         raise SystemExit("--model cnn has BatchNorm buffers, which only PyTorch ranks would broadcast: "
                          "the mixed job takes mlp or gpt")
     world = detect()
-    # Both frameworks round the momentum update identically (runners.UnfusedSGD): the ranks can stay bitwise equal.
-    eq = EquivalenceConfig(model=cfg.model, size=cfg.size, steps=cfg.steps, dtype=cfg.dtype, optimizer="sgd-unfused",
-                           global_batch=cfg.global_batch, lr=cfg.lr, bucket_cap_mb=cfg.bucket_cap_mb, seed=cfg.seed)
-    validate(eq, world.size)
+    if cfg.global_batch % world.size:
+        raise SystemExit(f"--global-batch {cfg.global_batch} is not divisible by the world size {world.size}: "
+                         f"pass a multiple of {world.size}")
+    # Both frameworks round the momentum update identically (UnfusedSGD): the ranks can stay bitwise equal.
+    work = Workload(model=cfg.model, size=cfg.size, batch=cfg.global_batch // world.size, dtype=cfg.dtype,
+                    optimizer="sgd-unfused", lr=cfg.lr, seed=cfg.seed)
+    work.validate(world.size)
     world = portddp.init(torch_distributed=False)  # MPI only: the PyTorch ranks need no c10d group
     framework = "torch" if world.rank % 2 == 0 else "jax"
 
@@ -56,7 +60,6 @@ def main(argv=None) -> int:
     jax.config.update("jax_enable_x64", cfg.dtype == "float64")
     import numpy as np  # noqa: PLC0415
 
-    from comparisons.runners import make_runner  # noqa: PLC0415
     from portddp.transport import get_transport  # noqa: PLC0415
 
     transport = get_transport()
@@ -64,20 +67,24 @@ def main(argv=None) -> int:
     say(f"mixed job: {world.size} ranks -- " + ", ".join(
         f"rank {r} {'PyTorch' if r % 2 == 0 else 'JAX'}" for r in range(world.size)) +
         f"; {cfg.model} ({cfg.size}), {cfg.dtype}, {cfg.steps} SGD steps", flush=True)
-    reference = make_runner("torch-ref", eq, world)  # one process, global batch: no communication
-    runner = make_runner("torch-mpi" if framework == "torch" else "jax-hooked", eq, world)
+    knobs = {"bucket_cap_mb": cfg.bucket_cap_mb, "first_bucket_cap_mb": cfg.bucket_cap_mb / 4}
+    # One process on the global batch (no communication), then this rank's DDP; JAX in PyTorch's layout.
+    reference = make_trainer("torch-local", work, world, global_batch=True)
+    runner = (make_trainer("torch-mpi", work, world, **knobs) if framework == "torch" else
+              make_trainer("jax-hooked", work, world, torch_layout=True, **knobs))
     spread = ref_dev = 0.0
     bitwise = True
     for k in range(cfg.steps):
-        want = reference.step(k)
-        got = runner.step(k)
+        reference.step()
+        runner.step()
+        want, got = reference.trace(), runner.trace()
         everyone = transport.allgather_object(got.params)  # every rank's parameters, PyTorch layout
         spread = max(spread, max(deviation(theirs, everyone[0]) for theirs in everyone))
         bitwise &= all(np.array_equal(theirs[n], everyone[0][n]) for theirs in everyone for n in everyone[0])
         ref_dev = max(ref_dev, deviation(got.params, want.params), deviation(got.grads, want.grads))
         say(f"  step {k}: loss (rank 0) {got.loss:.6f}  ranks' spread {spread:.2e}  vs reference {ref_dev:.2e}",
             flush=True)
-    rows = transport.allgather_object((world.rank, framework, ref_dev, runner.plan_signature()))
+    rows = transport.allgather_object((world.rank, framework, ref_dev, runner.plan()))
     bound = BOUNDS[cfg.dtype]
     same_plan = all(r[3] == rows[0][3] for r in rows)
     # Lockstep means equal: every rank applies the same reduced gradients with the same rounding.

@@ -2,9 +2,10 @@
 
     python -m comparisons.report --results results --out reports/latest
 
-Reads whatever is there -- experiments/*.py outputs (overlap, bucket_sweep,
-no_sync, compression, scaling-n*), comparisons.equivalence result.json files
--- and writes report.md, report.html (plots embedded) and the PNGs. A file from
+Reads whatever is there -- experiments/*.py outputs (bench, overlap, bucket_sweep,
+no_sync, compression, scaling-n*, bandwidth, simulate_validate),
+comparisons.equivalence result.json files -- and nothing else (no experiment
+code is imported: every number it shows is in the JSON), and writes report.md, report.html (plots embedded) and the PNGs. A file from
 another portddp version or with missing fields is reported by name and skipped.
 """
 
@@ -435,12 +436,9 @@ def generic_section(payload: dict, extra: str | None = None) -> str:
 
 
 def bench_section(payload: dict) -> str:
-    """experiments.bench: per model, every implementation's time, ratios, overlap and memory."""
-    import math  # noqa: PLC0415
-
-    from experiments.bench import summarise  # noqa: PLC0415
-
-    headline, _ = summarise(payload["rows"])
+    """experiments.bench: per model, every implementation's time, ratios (as the benchmark wrote
+    them), overlap, CPU and memory."""
+    headline = payload.get("headline", {})
 
     def num(x, fmt):
         return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
@@ -455,17 +453,24 @@ def bench_section(payload: dict) -> str:
                 cap = f"auto → {auto.get('chosen_mb')}"
             body.append([r["label"], _ms_spread(r), num(r.get("vs_native"), ".3f"),
                          num(r.get("vs_limit", r.get("vs_best_fixed")), ".3f"), num(m.get("overlap_ratio"), ".2f"),
-                         num(m.get("exposed_comm_time", math.nan) * 1e3, ".1f"), num(r.get("grad_mb"), ".0f"),
-                         num(r.get("peak_mb"), ".0f"), num(cap, "") if cap is not None else "–"])
+                         num(m.get("exposed_comm_time", math.nan) * 1e3, ".1f"),
+                         *(num((r.get("cpu") or {}).get(k, math.nan) * 1e3, ".1f")
+                           for k in ("total", "main", "comm", "xla", "other")),
+                         num(r.get("grad_mb"), ".0f"), num(r.get("peak_mb"), ".0f"),
+                         num(cap, "") if cap is not None else "–"])
         parts.append(f"\n### {group}\n\n" + table(
             ["implementation", "ms / iteration", "vs native", "vs limit (auto: vs best fixed)", "overlap ratio",
-             "exposed comm (ms)", "gradient MB", "peak RSS MB", "cap MB"], body) + "\n")
+             "exposed comm (ms)", "CPU ms / it", "main", "comm", "xla", "other", "gradient MB", "peak RSS MB",
+             "cap MB"], body) + "\n")
     line = " ".join(f"{k}={v:.3f}" for k, v in headline.items())
     return ("Every implementation side by side in one run (interleaved rounds). *vs limit*: to the same "
-            "framework's step without communication. *gradient MB*: memory holding gradients after a step "
+            "framework's step without communication. *CPU ms / it*: CPU time per iteration per rank (mean over "
+            "ranks), all threads, then the main thread, the comm threads (portddp's MPI comm thread, Gloo's), XLA's "
+            "named pools and the rest (a comm thread that spins while it waits shows here, not in the time). "
+            "*gradient MB*: memory holding gradients after a step "
             "(every .grad storage plus bucket buffers). *peak RSS MB*: resident memory added while the variant "
             "was built and warmed up (approximate: memory freed by an earlier variant can be reused).\n"
-            + "".join(parts) + f"\nHeadline (the worse of the two models): `{line}`\n")
+            + "".join(parts) + f"\nHeadline (the worst over the models): `{line}`\n")
 
 
 def equivalence_section(results: list[dict]) -> str:

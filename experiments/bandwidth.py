@@ -9,48 +9,22 @@ arguments after `--` go to it), then merges the runs into one JSON
 (results/bandwidth-n<N>-h<H>.json) for the report: the overlap speedup of each
 implementation against bandwidth, next to the DDP paper's figures.
 
-`matched_rate()` is how the main job picks "a link where communication takes
-about as long as the backward pass": one short calibration run on an
-unshaped link measures the backward compute time and the bytes a host sends
-per step, and the rate is their ratio.
+`--rates matched` is the rate the main job picks, "a link where communication
+takes about as long as the backward pass" (harness.calibrate.matched_rate).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from experiments.common import write_result
+from harness.calibrate import matched_rate, run_overlap
+from harness.results import write_result
 from portddp import cluster
 
 DEFAULT_RATES = ("250mbit", "500mbit", "1gbit", "2gbit", "5gbit", "unlimited")
-
-
-def run_overlap(n: int, hosts: int, link: str, out_dir: str, extra: list[str]) -> dict:
-    """One `overlap` run on a fresh cluster; its result JSON."""
-    code = cluster.run(n, hosts, link, [sys.executable, "-m", "experiments.overlap", "--out-dir", out_dir, *extra])
-    if code != 0:
-        raise SystemExit(f"the overlap experiment failed on a {hosts}-host cluster at {link} (exit {code})")
-    return json.loads((Path(out_dir) / f"overlap-n{n}-h{hosts}-{link}.json").read_text())
-
-
-def matched_rate(n: int, hosts: int, extra: list[str]) -> tuple[str, dict]:
-    """The link rate at which the wire time of one step's gradients equals the backward compute time."""
-    with tempfile.TemporaryDirectory(prefix="portddp-calibrate-") as tmp:
-        payload = run_overlap(n, hosts, "unlimited", tmp, [*extra, "--impls", "torch-c10d", "--rounds", "2",
-                                                           "--steps-per-round", "3"])
-    row = next(r for r in payload["rows"] if r["label"] == "torch-c10d (no overlap)")
-    backward_s = row["metrics"]["backward_compute_time"]
-    wire_bytes = row["wire_bytes_per_step"]
-    mbit = max(10, round(wire_bytes * 8 / backward_s / 1e6 / 10) * 10)
-    facts = {"backward_compute_s": backward_s, "wire_bytes_per_step": wire_bytes, "rate_mbit": mbit}
-    print(f"calibration: backward compute {backward_s * 1e3:.1f} ms, {wire_bytes / 1e6:.1f} MB per host per step "
-          f"-> link {mbit} Mbit/s (wire time = backward compute)", flush=True)
-    return f"{mbit}mbit", facts
 
 
 def main(argv=None) -> int:

@@ -3,18 +3,23 @@
     mpirun -n 2 python -m experiments.bench                # or: portddp run bench -n 2
     mpirun -n 2 python -m experiments.bench --models mlp --rounds 5
 
-For the benchmark MLP (8 x Linear(1024, 1024), batch 64 per rank) and the ~25M
-parameter `gpt` twin: the step with no communication (torch-local, jax-local:
-the limits), native DDP (Gloo), portddp.torch (c10d; mpi; mpi with
+For the benchmark MLP (8 x Linear(1024, 1024), batch 64 per rank), issue 16's
+second MLP (`gelu-mlp`: 6 x Linear(1280, 1280) + GELU, batch 48 per rank) and
+the ~25M parameter `gpt` twin: the step with no communication (torch-local,
+jax-local: the limits), native DDP (Gloo), portddp.torch (c10d; mpi; mpi with
 gradient_as_bucket_view), portddp.jax (hooked, compiled). Warm-up, then
 interleaved rounds (noise hits every implementation alike); per-iteration
 medians, ratios to native DDP and to the framework's own limit, overlap ratio,
-exposed communication, the memory holding gradients after a step (every
-distinct .grad storage plus portddp's bucket buffers), and the peak resident
-memory each one added while it was built and warmed up (Linux VmHWM; memory an
-earlier variant freed can be reused, so read it as approximate). Then, on the
-MLP, a fixed-cap sweep beside bucket_cap_mb="auto". JSON in results/bench-n<N>.json; the last line holds the
-headline ratios (each the worse of the two models).
+exposed communication, CPU seconds per iteration per rank (all threads, and
+split: the main thread, the comm threads -- portddp's MPI comm thread, Gloo's
+--, XLA's named pools, the rest: a comm thread that spins shows up here, not in
+the time), the memory holding gradients after a step (every distinct .grad
+storage plus portddp's bucket buffers), and the peak resident memory each one
+added while it was built and warmed up (Linux VmHWM; memory an earlier variant
+freed can be reused, so read it as approximate). Then, on the MLP, a fixed-cap
+sweep beside bucket_cap_mb="auto". JSON in results/bench-n<N>.json (the ratios
+and the headline included: the report only reads it); the last line holds the
+headline ratios (each the worst over the models).
 """
 
 from __future__ import annotations
@@ -22,19 +27,25 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from experiments import runner
-from experiments.common import parse_config
-from experiments.impls import IMPLEMENTATIONS
+from harness import runner
+from harness.adapter import IMPLEMENTATIONS
+from harness.config import parse_config
+from harness.results import write_result
 from portddp.autotune import CANDIDATES_MB, CapTuner
 
 TORCH_DDP = ("torch-c10d", "torch-mpi", "torch-mpi+view")
+MODELS = {  # name -> Workload fields (batch: per rank)
+    "mlp": {"model": "mlp"},  # the config's --width, --depth, --batch: 8 x Linear(1024), 64 by default
+    "gelu-mlp": {"model": "mlp", "width": 1280, "depth": 6, "activation": "gelu", "batch": 48},
+    "gpt": {"model": "gpt"},  # batch: --gpt-batch
+}
 HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit", "jax_hooked_vs_limit",
             "jax_hooked_overlap")
 
 
 @dataclasses.dataclass
 class Config(runner.ExperimentConfig):
-    models: tuple[str, ...] = dataclasses.field(default=("mlp", "gpt"), metadata={"help": "mlp and/or gpt"})
+    models: tuple[str, ...] = dataclasses.field(default=tuple(MODELS), metadata={"help": "of " + ", ".join(MODELS)})
     impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS, metadata={"help": "implementations"})
     gpt_batch: int = dataclasses.field(default=4, metadata={"help": "gpt: sequences per rank per step"})
     sweep: bool = dataclasses.field(default=True, metadata={"help": "the MLP's fixed-cap sweep beside 'auto'"})
@@ -54,8 +65,11 @@ def _auto_warmup() -> int:
 
 
 def variants(cfg: Config, world):
+    unknown = [m for m in cfg.models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}: choose from {tuple(MODELS)}")
     for model in cfg.models:
-        shape = {"model": model} | ({"batch": cfg.gpt_batch} if model == "gpt" else {})
+        shape = MODELS[model] | ({"batch": cfg.gpt_batch} if model == "gpt" else {})
         for label, impl, knobs in (
             ("torch-local", "torch-local", {}),
             ("native", "native", {}),
@@ -75,15 +89,15 @@ def variants(cfg: Config, world):
         for impl in cfg.sweep_impls:
             for cap in CANDIDATES_MB:
                 yield runner.Variant(f"{impl} @ {cap:g} MB", impl, {"bucket_cap_mb": cap}, group="mlp: caps",
-                                     params={"bucket_cap_mb": cap}, model={"model": "mlp"})
+                                     params={"bucket_cap_mb": cap}, model=MODELS["mlp"])
             yield runner.Variant(f"{impl} @ auto", impl, {"bucket_cap_mb": "auto"}, group="mlp: caps",
-                                 params={"bucket_cap_mb": "auto"}, model={"model": "mlp"},
+                                 params={"bucket_cap_mb": "auto"}, model=MODELS["mlp"],
                                  warmup=_auto_warmup())
 
 
 def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
-    """Per model: each row's ratios to native DDP and to its framework's limit; the headline
-    (worst over models); and the sweep's auto-vs-best-fixed ratios."""
+    """Per model: each row's ratios to native DDP and to its framework's limit (written into
+    the rows); the headline (worst over models); and the sweep's auto-vs-best-fixed ratios."""
     headline: dict[str, float] = {}
     tables = []
     for model in dict.fromkeys(r["params"]["model"] for r in rows if "model" in r["params"]):
@@ -104,7 +118,7 @@ def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
             mine |= {"jax_hooked_vs_limit": by["jax-hooked"]["vs_limit"],
                      "jax_hooked_overlap": by["jax-hooked"]["metrics"].get("overlap_ratio", math.nan)}
         tables.append((model, mine))
-        for k in HEADLINE:  # the worse model decides: "overlap" is better high, the rest low
+        for k in HEADLINE:  # the worst model decides: "overlap" is better high, the rest low
             if k in mine:
                 worse = min if k.endswith("overlap") else max
                 headline[k] = worse(headline.get(k, mine[k]), mine[k])
@@ -121,16 +135,25 @@ def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
     return headline, tables
 
 
+CPU_COLUMNS = ("CPU ms", "main", "comm", "xla", "other")
+"""CPU milliseconds per iteration per rank (mean over ranks): all threads, then by group (harness.measure)."""
+
+
+def cpu_cells(row: dict, fmt) -> list[str]:
+    cpu = row.get("cpu") or {}
+    return [fmt(cpu[k] * 1e3) if k in cpu else fmt(None) for k in ("total", "main", "comm", "xla", "other")]
+
+
 def print_tables(payload: dict, headline: dict, tables) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    console = Console(width=160)
+    console = Console(width=200)
     for group in dict.fromkeys(r["group"] for r in payload["rows"]):
         table = Table(title=f"{group} -- {payload['world']['size']} ranks, medians over "
                             f"{payload['config']['rounds'] * payload['config']['steps_per_round']} steps")
         for col in ("implementation", "iteration ms", "vs native", "vs limit", "overlap ratio", "exposed comm ms",
-                    "grad MB", "peak MB", "cap MB"):
+                    *CPU_COLUMNS, "grad MB", "peak MB", "cap MB"):
             table.add_column(col, justify="right")
         for r in (r for r in payload["rows"] if r["group"] == group):
             m = r["metrics"]
@@ -143,7 +166,8 @@ def print_tables(payload: dict, headline: dict, tables) -> None:
                 cap = f"auto->{r['auto'].get('chosen_mb')}"
             table.add_row(r["label"], num(r["median_s"] * 1e3, ".1f"), num(r.get("vs_native"), ".3f"),
                           num(r.get("vs_limit", r.get("vs_best_fixed")), ".3f"), num(m.get("overlap_ratio"), ".2f"),
-                          num(m.get("exposed_comm_time", math.nan) * 1e3, ".1f"), num(r.get("grad_mb"), ".0f"),
+                          num(m.get("exposed_comm_time", math.nan) * 1e3, ".1f"),
+                          *cpu_cells(r, lambda x: num(x, ".1f")), num(r.get("grad_mb"), ".0f"),
                           num(r.get("peak_mb"), ".0f"),
                           str(cap if cap is not None else "-"))
         console.print(table)
@@ -158,9 +182,8 @@ def main(argv=None):
     payload = runner.run("bench", cfg, variants)
     headline, tables = summarise(payload["rows"])
     payload["headline"] = headline
+    payload["models"] = dict(tables)
     if payload["world"]["rank"] == 0:
-        from experiments.common import write_result  # noqa: PLC0415
-
         write_result(payload["path"], payload)
         print_tables(payload, headline, tables)
     return payload

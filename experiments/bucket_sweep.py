@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from experiments import runner
-from experiments.common import parse_config
+from harness import runner
+from harness.config import parse_config
 
 
 @dataclasses.dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments import runner
-from experiments.common import parse_config
-from experiments.impls import HOOKS
+from harness import runner
+from harness.adapter import HOOKS
+from harness.config import parse_config
 
 
 @dataclasses.dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from experiments import runner
-from experiments.common import parse_config
+from harness import runner
+from harness.config import parse_config
 
 OVERLAP_SWITCH = ("torch-c10d", "torch-mpi", "jax-hooked")  # native and compiled have no such switch
 

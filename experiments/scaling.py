@@ -8,8 +8,8 @@ On a 2-core machine n = 3 and 4 oversubscribe: they must finish, not scale.
 
 from __future__ import annotations
 
-from experiments import runner
-from experiments.common import parse_config
+from harness import runner
+from harness.config import parse_config
 
 
 def variants(cfg: runner.ExperimentConfig, world):

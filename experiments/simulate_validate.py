@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.common import write_result
+from harness.results import write_result
 from portddp import simulate
 
 IMPLS = ("torch-c10d", "torch-mpi", "jax-hooked")

@@ -29,12 +29,14 @@ import threading
 import time
 
 import portddp
-from experiments.common import Memory, parse_config, write_result
-from experiments.impls import IMPLEMENTATIONS, ModelConfig, check_implementations, make_trainer
+from harness.adapter import IMPLEMENTATIONS, Workload, check_implementations, make_trainer
+from harness.config import parse_config
+from harness.measure import Memory
+from harness.results import write_result
 
 
 @dataclasses.dataclass
-class Config(ModelConfig):
+class Config(Workload):
     iterations: int = dataclasses.field(default=2000, metadata={"help": "steps per implementation"})
     warmup: int = dataclasses.field(default=100, metadata={"help": "steps before the baseline is taken"})
     every: int = dataclasses.field(default=100, metadata={"help": "sample every this many steps"})
@@ -120,13 +122,13 @@ def main(argv=None):
         raise SystemExit(summarize(argv[1], Config.max_rss_growth))
     cfg = parse_config(Config, argv, __doc__.split("\n\n")[0])
     check_implementations(cfg.impls, IMPLEMENTATIONS)
+    cfg.validate()
     if cfg.warmup >= cfg.iterations:
         raise SystemExit(f"--warmup {cfg.warmup} must be below --iterations {cfg.iterations}")
     world = portddp.init(jax_distributed="jax-compiled" in cfg.impls)
     say = print if world.rank == 0 else (lambda *a, **k: None)
     memory = Memory()
-    say(f"soak: {cfg.iterations} iterations per implementation, {world.size} ranks, {cfg.depth} x "
-        f"Linear({cfg.width}), batch {cfg.batch}/rank", flush=True)
+    say(f"soak: {cfg.iterations} iterations per implementation, {world.size} ranks, {cfg.describe()}", flush=True)
     from portddp.transport import get_transport  # noqa: PLC0415
 
     results = []

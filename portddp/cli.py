@@ -8,17 +8,41 @@
     portddp cluster -n 4 --hosts 2 --link 1gbit -- python train.py   # an emulated cluster (root)
     portddp run overlap -n 2 --hosts 2 --link 500mbit                 # an experiment on it
     portddp simulate results/overlap-n2-h2-600mbit.json --world 64 --link 10gbit --bucket-cap 4
+
+run, compare, mixed and report start the entry points of the source checkout
+(experiments/, comparisons/ and the harness/ below them), which are not
+installed with the library: they need portddp installed from a clone
+(`pip install -e .`, as scripts/bootstrap.sh does). This module imports none of
+them until a subcommand needs one.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
-EXPERIMENTS = ("bench", "soak", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "torch_ddp", "jax_ddp")
+EXPERIMENTS = ("bench", "soak", "overlap", "bucket_sweep", "no_sync", "compression", "scaling")
+
+
+def _checkout() -> Path:
+    """The source checkout holding experiments/, comparisons/ and harness/, put on this process's
+    path and its children's (PYTHONPATH), so that `portddp run` works from any directory."""
+    root = Path(__file__).resolve().parents[1]
+    if not all((root / d / "__init__.py").is_file() for d in ("experiments", "comparisons", "harness")):
+        raise SystemExit(f"portddp: the experiments, comparisons and harness are not installed with the library; "
+                         f"{root} holds none: install portddp from a clone (`pip install -e .` in it, or "
+                         f"`bash scripts/bootstrap.sh`)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(root) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, paths)])
+    return root
 
 
 def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link: str = "1gbit",
@@ -35,9 +59,7 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
             os.environ["PORTDDP_CLUSTER_UNAVAILABLE"] = why
             return _mpirun(n, module, args)
         if link == "matched":
-            from experiments.bandwidth import matched_rate  # noqa: PLC0415
-
-            link, _ = matched_rate(n, hosts, args)
+            link, _ = importlib.import_module("harness.calibrate").matched_rate(n, hosts, args)
 
         print(f"$ portddp cluster -n {n} --hosts {hosts} --link {link} -- python -m {module} {' '.join(args)}",
               flush=True)
@@ -85,15 +107,14 @@ def main(argv=None) -> int:
         return cluster.main(argv[1:])
     ns, extra = parser.parse_known_args(argv)
     args = [a for a in extra if a != "--"]
+    _checkout()
     if ns.command == "run":
         return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args, ns.hosts, ns.link, ns.or_loopback)
     if ns.command == "compare":
         return _mpirun(ns.ranks, "comparisons.equivalence", args, ns.hosts, ns.link)
     if ns.command == "mixed":
         return _mpirun(ns.ranks, "comparisons.mixed", args, ns.hosts, ns.link)
-    from comparisons.report import main as report_main  # noqa: PLC0415
-
-    return report_main(args)
+    return importlib.import_module("comparisons.report").main(args)
 
 
 if __name__ == "__main__":

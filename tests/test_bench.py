@@ -69,3 +69,52 @@ def test_soak_reports_memory_threads_and_files(tmp_path):
             assert len(rank["samples"]) == 4 and rank["samples"][0]["open_files"] > 0
     assert proc.returncode == (0 if all(r["ok"] for r in payload["results"]) else 1)
     assert "torch-mpi_rss_growth=" in proc.stdout.splitlines()[-1]
+
+
+def test_every_row_reports_cpu_per_iteration_by_thread_group(bench):
+    _, payload = bench
+    for r in payload["rows"]:
+        cpu = r["cpu"]
+        assert len(cpu["per_rank"]) == 2, r["label"]
+        assert cpu["total"] == pytest.approx(sum(cpu[g] for g in ("main", "comm", "xla", "other")))
+        assert cpu["main"] > 0, r["label"]
+    rows = {r["label"]: r for r in payload["rows"] if r["group"] == "mlp"}
+    assert rows["torch-local"]["cpu"]["comm"] < rows["torch-mpi"]["cpu"]["comm"]  # no comm thread work alone
+
+
+def test_cpu_meter_tells_a_spinning_thread_from_a_waiting_one():
+    """The CPU meter groups threads by name: a comm thread that spins costs its wall time in CPU,
+    one that blocks costs next to nothing."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from harness.measure import CpuMeter, thread_group  # noqa: PLC0415
+
+    assert thread_group(None, "python", True) == "main"
+    assert thread_group("portddp-mpi-comm", "python", False) == "comm"
+    assert thread_group(None, "pt_gloo_runloop", False) == "comm"
+    assert thread_group(None, "tf_XLAEigen", False) == "xla"
+    assert thread_group("portddp-watchdog", "python", False) == "other"
+
+    def measure(target) -> dict:
+        stop = threading.Event()
+        thread = threading.Thread(target=target, args=(stop,), name="portddp-mpi-comm", daemon=True)
+        thread.start()
+        meter = CpuMeter()
+        meter.start()
+        time.sleep(0.3)
+        meter.stop(steps=3)
+        stop.set()
+        thread.join()
+        return meter.per_step()
+
+    def spin(stop):
+        while not stop.is_set():
+            pass
+
+    spinning, waiting = measure(spin), measure(lambda stop: stop.wait())
+    # Per step (0.1 s of wall time): the spinner burns most of it (it shares the GIL with nobody
+    # busy, but the machine's cores are shared), the waiter nothing; the main thread slept.
+    assert spinning["comm"] > 0.03 and waiting["comm"] < 0.005, (spinning, waiting)
+    assert spinning["main"] < 0.01 and spinning["wall"] == pytest.approx(0.1, rel=0.5)
+    assert spinning["threads"]["portddp-mpi-comm"] == pytest.approx(spinning["comm"])

@@ -86,3 +86,17 @@ def test_converter_names_missing_extra_and_misshaped_keys():
 def test_unknown_names_list_the_valid_ones(bad, match):
     with pytest.raises(ValueError, match=match):
         build_twin(**bad)
+
+
+@pytest.mark.parametrize("dtype,bound", [("float64", 1e-12), ("float32", 1e-5)])
+def test_gelu_mlp_twins_agree(dtype, bound):
+    """Issue 16's second benchmark MLP uses GELU: PyTorch's exact form, which JAX must be asked for."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    twin = build_twin("mlp", "bench", dtype=dtype, width=48, depth=3, activation="gelu")
+    x = np.random.default_rng(1).standard_normal((5, 48)).astype(dtype)
+    a = twin.torch_model(torch.from_numpy(x)).detach().numpy()
+    b = np.asarray(twin.nnx_model(jnp.asarray(x)))
+    assert np.abs(a - b).max() / max(1.0, np.abs(a).max()) <= bound
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        build_twin("mlp", "tiny", activation="tanh")

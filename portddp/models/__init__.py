@@ -15,7 +15,7 @@ from portddp.models.convert import (canonical_specs, jax_canonical, jax_order, n
 from portddp.models.gpt import GPTConfig, TorchGPT, nnx_gpt
 from portddp.models.mlp import TorchMLP, nnx_mlp
 
-__all__ = ["MODELS", "SIZES", "Twin", "build_twin", "torch_loss", "jax_loss", "TorchMLP", "TorchCNN", "TorchGPT", "GPTConfig",
+__all__ = ["MODELS", "SIZES", "Twin", "build_twin", "build_torch", "torch_loss", "jax_loss", "TorchMLP", "TorchCNN", "TorchGPT", "GPTConfig",
            "canonical_specs", "jax_canonical", "jax_order", "nnx_to_torch", "rules_for", "torch_to_nnx"]
 
 MODELS = ("mlp", "cnn", "gpt")
@@ -62,6 +62,18 @@ def jax_loss(out, y):
 def build_twin(name: str, size: str = "tiny", dtype: str = "float32", seed: int = 0, **overrides) -> Twin:
     """Build the PyTorch model from `seed`, then its NNX twin with the same values.
     JAX float64 needs jax_enable_x64 set by the caller."""
+    args, torch_model = _torch_model(name, size, dtype, seed, overrides)
+    nnx_model = _BUILD[name][1](**args)
+    torch_to_nnx(torch_model, nnx_model)
+    return Twin(name, size, dtype, args, torch_model, nnx_model)
+
+
+def build_torch(name: str, size: str = "tiny", dtype: str = "float32", seed: int = 0, **overrides):
+    """build_twin's PyTorch model alone (the same values; no JAX import, no twin in memory)."""
+    return _torch_model(name, size, dtype, seed, overrides)[1]
+
+
+def _torch_model(name: str, size: str, dtype: str, seed: int, overrides: dict):
     import torch  # noqa: PLC0415
 
     if name not in MODELS:
@@ -71,9 +83,5 @@ def build_twin(name: str, size: str = "tiny", dtype: str = "float32", seed: int 
     if dtype not in ("float32", "float64"):
         raise ValueError(f"unknown dtype {dtype!r}: choose 'float32' or 'float64'")
     args = {**_ARGS[name, size], **overrides}
-    make_torch, make_nnx = _BUILD[name]
     torch.manual_seed(seed)
-    torch_model = make_torch(**args).to(getattr(torch, dtype))
-    nnx_model = make_nnx(**args)
-    torch_to_nnx(torch_model, nnx_model)
-    return Twin(name, size, dtype, args, torch_model, nnx_model)
+    return args, _BUILD[name][0](**args).to(getattr(torch, dtype))

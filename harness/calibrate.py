@@ -1,0 +1,40 @@
+"""The emulated cluster's "matched" link rate: where one step's gradients take as long on the
+wire as the backward pass computes (`portddp run overlap --hosts 2 --link matched`).
+
+    rate, facts = matched_rate(n=2, hosts=2, extra=["--batch", "2048"])    # e.g. "600mbit"
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from portddp import cluster
+
+__all__ = ["run_overlap", "matched_rate"]
+
+
+def run_overlap(n: int, hosts: int, link: str, out_dir: str, extra: list[str]) -> dict:
+    """One `overlap` experiment on a fresh cluster; its result JSON."""
+    code = cluster.run(n, hosts, link, [sys.executable, "-m", "experiments.overlap", "--out-dir", out_dir, *extra])
+    if code != 0:
+        raise SystemExit(f"the overlap experiment failed on a {hosts}-host cluster at {link} (exit {code})")
+    return json.loads((Path(out_dir) / f"overlap-n{n}-h{hosts}-{link}.json").read_text())
+
+
+def matched_rate(n: int, hosts: int, extra: list[str]) -> tuple[str, dict]:
+    """One short calibration run on an unshaped link measures the backward compute time and the
+    bytes a host sends per step; the rate is their ratio (rounded to 10 Mbit/s)."""
+    with tempfile.TemporaryDirectory(prefix="portddp-calibrate-") as tmp:
+        payload = run_overlap(n, hosts, "unlimited", tmp, [*extra, "--impls", "torch-c10d", "--rounds", "2",
+                                                           "--steps-per-round", "3"])
+    row = next(r for r in payload["rows"] if r["label"] == "torch-c10d (no overlap)")
+    backward_s = row["metrics"]["backward_compute_time"]
+    wire_bytes = row["wire_bytes_per_step"]
+    mbit = max(10, round(wire_bytes * 8 / backward_s / 1e6 / 10) * 10)
+    facts = {"backward_compute_s": backward_s, "wire_bytes_per_step": wire_bytes, "rate_mbit": mbit}
+    print(f"calibration: backward compute {backward_s * 1e3:.1f} ms, {wire_bytes / 1e6:.1f} MB per host per step "
+          f"-> link {mbit} Mbit/s (wire time = backward compute)", flush=True)
+    return f"{mbit}mbit", facts

@@ -1,0 +1,160 @@
+"""What a step costs beside its time: CPU per thread group, and peak resident memory (Linux /proc).
+
+    cpu = CpuMeter()
+    cpu.start(); ...steps...; cpu.stop(steps=3)      # any number of turns
+    cpu.per_step()    # {"total": s, "main": s, "comm": s, "xla": s, "other": s, "threads": {name: s}}
+
+Why CPU: on a machine whose cores all compute, a comm thread that spins while
+it waits for a peer steals its core from the backward pass it should overlap.
+Wall time hides that; CPU seconds per step, split by thread, show it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+__all__ = ["CpuMeter", "GROUPS", "thread_group", "thread_cpu", "Memory"]
+
+GROUPS = ("main", "comm", "xla", "other")
+"""main: the Python thread that runs the step (PyTorch's forward and backward, the hooks; JAX's
+dispatch and host callbacks). comm: portddp's MPI comm thread and Gloo's threads (native DDP
+and portddp's c10d transport all-reduce there). xla: XLA's named compute pools (tf_XLA*).
+other: every other thread -- the watchdog, gRPC, and XLA's unnamed pools, which also run
+jitted code (the JAX rows' compute is split between `xla` and `other`)."""
+
+_TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7
+
+
+def thread_group(py_name: str | None, os_name: str, is_main: bool) -> str:
+    """The group of one thread, from its Python name (threads Python started) or its OS name."""
+    if is_main:
+        return "main"
+    if py_name == "portddp-mpi-comm" or "gloo" in os_name:
+        return "comm"
+    if os_name.startswith(("tf_XLA", "XLA")):
+        return "xla"
+    return "other"
+
+
+def thread_cpu() -> dict[int, tuple[str, str, float]]:
+    """{tid: (group, name, CPU seconds so far)} for every thread of this process.
+
+    Read from /proc/self/task/<tid>/schedstat (nanoseconds on the CPU, read from any
+    thread: no need to run code inside the comm thread), or utime + stime from
+    /proc/self/task/<tid>/stat (clock ticks) where schedstat is missing. Empty
+    elsewhere than Linux."""
+    base = "/proc/self/task"
+    if not os.path.isdir(base):
+        return {}
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out = {}
+    for entry in os.listdir(base):
+        tid = int(entry)
+        try:
+            with open(f"{base}/{entry}/comm") as f:
+                os_name = f.read().strip()
+            try:
+                with open(f"{base}/{entry}/schedstat") as f:
+                    seconds = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                with open(f"{base}/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                seconds = (int(fields[11]) + int(fields[12])) * _TICK_NS / 1e9  # utime, stime
+        except OSError:
+            continue  # the thread ended while we read
+        name = python_names.get(tid, os_name)
+        out[tid] = (thread_group(python_names.get(tid), os_name, tid == main), name, seconds)
+    return out
+
+
+class CpuMeter:
+    """CPU seconds spent by this process's threads between start() and stop(), summed
+    over turns and grouped (GROUPS) and by thread name.
+
+    A thread that ends inside a turn loses that turn's CPU (threads live for the
+    whole run here: comm thread, Gloo, XLA pools); one born inside a turn counts
+    from zero."""
+
+    def __init__(self):
+        self._before: dict[int, tuple[str, str, float]] | None = None
+        self.steps = 0
+        self.wall_s = 0.0
+        self.groups = dict.fromkeys(GROUPS, 0.0)
+        self.threads: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._before = thread_cpu()
+        self._t0 = time.perf_counter()
+
+    def stop(self, steps: int) -> None:
+        wall = time.perf_counter() - self._t0
+        after = thread_cpu()
+        for tid, (group, name, seconds) in after.items():
+            spent = seconds - (self._before or {}).get(tid, (group, name, 0.0))[2]
+            self.groups[group] += spent
+            self.threads[name] = self.threads.get(name, 0.0) + spent
+        self.steps += steps
+        self.wall_s += wall
+        self._before = None
+
+    def per_step(self) -> dict:
+        """CPU seconds per step: "total", each group, and "threads" by name (summed over
+        threads of the same name); "wall" is the wall time per step over the same turns."""
+        n = max(self.steps, 1)
+        groups = {g: s / n for g, s in self.groups.items()}
+        busy = {k: v / n for k, v in sorted(self.threads.items(), key=lambda kv: -kv[1]) if v > 0}
+        return {"total": sum(groups.values()), **groups, "wall": self.wall_s / n, "threads": busy}
+
+
+class Memory:
+    """Resident memory of this process (Linux /proc), for "how much did this add at its peak".
+
+        mem = Memory()
+        mem.start()              # settle, then reset the kernel's high-water mark
+        ... build and run something ...
+        mem.peak_mb()            # peak RSS since start() minus RSS at start(), in MB
+
+    The peak is the kernel's high-water mark (VmHWM), reset by writing 5 to
+    /proc/self/clear_refs: exact, not sampled. But the allocator is left as it
+    is (changing its thresholds would change the timings too), so memory freed
+    earlier and kept by malloc can be reused unseen: read it as approximate.
+    Elsewhere than Linux every reading is None."""
+
+    def __init__(self):
+        self.ok = os.path.exists("/proc/self/clear_refs")
+        self._base = 0
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def rss_mb(self) -> float | None:
+        return self._status("VmRSS:") / 2**20 if self.ok else None
+
+    def start(self) -> None:
+        if self.ok:
+            import gc  # noqa: PLC0415
+
+            gc.collect()
+            # Wait (up to 2 s) for the resident size to settle: XLA frees its buffers asynchronously.
+            last, t0 = -1, time.monotonic()
+            while (now := self._status("VmRSS:")) != last and time.monotonic() - t0 < 2:
+                last = now
+                time.sleep(0.05)
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.ok = False
+                return
+            self._base = self._status("VmRSS:")
+
+    def peak_mb(self) -> float | None:
+        return (self._status("VmHWM:") - self._base) / 2**20 if self.ok else None

@@ -1,0 +1,56 @@
+"""Result JSON: written atomically by rank 0, read back with the version checked.
+
+Every experiment writes one JSON (`results/<experiment>-n<N>[-h<H>-<rate>].json`)
+holding its command, config, world, environment and rows; the report reads
+nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+__all__ = ["write_result", "read_result", "environment", "median"]
+
+
+def write_result(path: str | os.PathLike, payload: dict) -> Path:
+    """Write `payload` as JSON to `path` (a temporary file renamed over it: never half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
+def read_result(path: str | os.PathLike, version: str | None = None) -> dict:
+    """A result JSON; with `version`, refused (ValueError naming the file) if another portddp wrote it."""
+    payload = json.loads(Path(path).read_text())
+    if version is not None and payload.get("portddp_version") != version:
+        raise ValueError(f"{path}: written by portddp {payload.get('portddp_version')}, this is {version}; "
+                         f"rerun the experiment")
+    return payload
+
+
+def median(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def environment() -> dict:
+    """The software and machine a result was measured on."""
+    import numpy  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "argv": sys.argv,
+    }

@@ -1,0 +1,184 @@
+"""Run a list of variants (implementation + knobs), interleaved, and write one JSON.
+
+    payload = runner.run("overlap", cfg, variants)    # variants(cfg, world) -> [Variant, ...]
+
+Each experiment (experiments/*.py) only lists its variants; this module
+measures them the same way: build and warm up each variant, then rounds in
+which every variant of a group runs a few steps in turn (each round starting
+with another one), so the machine's noise hits them alike. Groups run one
+after another (one group's models in memory at a time). Per variant: the
+median step time, DESIGN.md's metrics, CPU seconds per step by thread group
+(harness.measure), peak memory, gradient memory, the bucket plan, the last
+iteration's events, and on the emulated cluster the bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import portddp
+from harness.adapter import IMPLEMENTATIONS, Workload, check_implementations, make_trainer
+from harness.measure import GROUPS, CpuMeter, Memory
+from harness.results import environment, median, write_result
+from portddp import cluster
+from portddp.launch import detect
+from portddp.timeline import IterationEvents, chrome_trace
+
+__all__ = ["ExperimentConfig", "Variant", "run"]
+
+
+@dataclasses.dataclass
+class ExperimentConfig(Workload):
+    seq: int = dataclasses.field(default=64, metadata={"help": "gpt: tokens per sequence (0: its block size)"})
+    warmup: int = dataclasses.field(default=3, metadata={"help": "untimed steps per variant (JAX compiles here)"})
+    rounds: int = dataclasses.field(default=3, metadata={"help": "interleaved rounds"})
+    steps_per_round: int = dataclasses.field(default=4, metadata={"help": "timed steps per variant per round"})
+    impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS[:5], metadata={"help": "implementations"})
+    out_dir: str = dataclasses.field(default="results", metadata={"help": "where the JSON goes"})
+    ranks: int = dataclasses.field(default=0, metadata={"help": "ranks this run must have (0: any)"})
+
+
+@dataclasses.dataclass
+class Variant:
+    label: str  # unique within the experiment
+    impl: str
+    knobs: dict
+    group: str  # variants of a group are interleaved with each other
+    params: dict  # what the report groups and plots by, e.g. {"bucket_cap_mb": 4.0}
+    model: dict = dataclasses.field(default_factory=dict)  # Workload fields to change, e.g. {"model": "gpt"}
+    warmup: int | None = None  # untimed steps, if not the config's (e.g. bucket_cap_mb="auto" tunes during them)
+
+
+def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentConfig, object], Sequence[Variant]]
+        ) -> dict:
+    check_implementations(cfg.impls)
+    launched = detect().size
+    if cfg.ranks and cfg.ranks != launched:
+        raise SystemExit(f"experiment {name!r} was asked for {cfg.ranks} ranks but launched with {launched}: "
+                         f"run `mpirun -n {cfg.ranks} python -m experiments.{name}`")
+    world = portddp.init(jax_distributed="jax-compiled" in cfg.impls)
+    say = print if world.rank == 0 else (lambda *a, **k: None)
+    variants = list(make_variants(cfg, world))
+    for v in variants:
+        _workload(cfg, v).validate(world.size)
+    groups: dict[str, list[Variant]] = {}
+    for v in variants:
+        groups.setdefault(v.group, []).append(v)
+    say(f"{name}: {len(variants)} variants in {len(groups)} group(s), {world.size} ranks", flush=True)
+    memory = Memory()
+    rows, traces = [], []
+    for g, (group, members) in enumerate(groups.items(), start=1):
+        say(f"  [{g}/{len(groups)}] {group}: {_workload(cfg, members[0]).describe()}; building "
+            f"and warming up {len(members)} variant(s)", flush=True)
+        trainers, peak_mb = {}, {}
+        for v in members:
+            # Built and warmed up one at a time, so that each one's peak resident memory is its own.
+            memory.start()
+            trainers[v.label] = t = make_trainer(v.impl, _workload(cfg, v), world, **v.knobs)
+            for _ in range(cfg.warmup if v.warmup is None else v.warmup):
+                t.step()
+            peak_mb[v.label] = memory.peak_mb()
+        times = {label: [] for label in trainers}
+        stats = {label: [] for label in trainers}
+        cpu = {label: CpuMeter() for label in trainers}
+        wire = {label: [] for label in trainers}  # on the emulated cluster: bytes this host sent per step
+        order = list(trainers.items())
+        for r in range(cfg.rounds):
+            # Each round starts with another variant, so that none always runs right after the same one.
+            for label, t in order[r % len(order):] + order[:r % len(order)]:
+                gc.collect()  # as timeit does: no collector pause inside a timed step
+                gc.disable()
+                try:
+                    before = cluster.interface_bytes()
+                    cpu[label].start()
+                    for _ in range(cfg.steps_per_round):
+                        times[label].append(t.step())
+                        stats[label].append(t.stats())
+                    cpu[label].stop(cfg.steps_per_round)
+                    after = cluster.interface_bytes()
+                finally:
+                    gc.enable()
+                if before is not None:
+                    wire[label].append((after["tx_bytes"] - before["tx_bytes"]) / cfg.steps_per_round)
+        for v in members:
+            t = trainers[v.label]
+            events = t.events()
+            rows.append({
+                "label": v.label, "impl": v.impl, "group": group, "params": v.params, "knobs": v.knobs,
+                "model": _workload(cfg, v).model, "peak_mb": peak_mb[v.label], "grad_mb": t.grad_mb(),
+                "median_s": median(times[v.label]), "times_s": times[v.label], "loss": t.loss,
+                "metrics": _median_metrics(stats[v.label]),
+                "cpu": _gather_cpu(cpu[v.label]),
+                "hlo": stats[v.label][-1].get("hlo") if stats[v.label] else None,
+                "auto": t.autotune(),
+                "wire_bytes_per_step": _hosts_mean(wire[v.label], world), "param_bytes": t.param_bytes(),
+                "plan": t.plan(),
+                "events": events.to_dict() if events is not None else None,
+            })
+        traces += _gather_events(members, trainers)
+        say(f"  [{g}/{len(groups)}] {group}: " + "  ".join(
+            f"{v.label} {median(times[v.label]) * 1e3:.1f} ms" for v in members), flush=True)
+        del trainers
+    where = cluster.cluster_info()
+    if where is None:
+        command = " ".join([f"mpirun -n {world.size} python -m experiments.{name}", *sys.argv[1:]])
+        stem = f"{name}-n{world.size}"
+    else:
+        command = " ".join([f"portddp run {name} -n {world.size} --hosts {where['hosts']} --link {where['link']} --",
+                            *sys.argv[1:]])
+        stem = f"{name}-n{world.size}-h{where['hosts']}-{where['link']}"
+    payload = {"experiment": name, "portddp_version": portddp.__version__, "command": command,
+               "config": dataclasses.asdict(cfg), "cluster": where,
+               "cluster_unavailable": os.environ.get("PORTDDP_CLUSTER_UNAVAILABLE"),
+               "world": dataclasses.asdict(world), "environment": environment(), "rows": rows}
+    payload["path"] = f"{cfg.out_dir}/{stem}.json"
+    if world.rank == 0:
+        path = write_result(payload["path"], payload)
+        trace = Path(cfg.out_dir) / f"{stem}.trace.json"
+        trace.write_text(chrome_trace(traces))
+        print(f"wrote {path} and {trace} (open in https://ui.perfetto.dev)")
+    return payload
+
+
+def _workload(cfg: ExperimentConfig, v: Variant) -> Workload:
+    fields = {f.name for f in dataclasses.fields(Workload)}
+    return Workload(**{k: getattr(cfg, k) for k in fields} | v.model)
+
+
+def _gather_cpu(meter: CpuMeter) -> dict:
+    """CPU seconds per step: every rank's (by group and by thread name), and their mean by group."""
+    from portddp.transport import get_transport  # noqa: PLC0415
+
+    everyone = get_transport().allgather_object(meter.per_step())
+    mean = {k: statistics.fmean(r[k] for r in everyone) for k in ("total", *GROUPS, "wall")}
+    return {**mean, "per_rank": everyone}
+
+
+def _hosts_mean(samples: list[float], world) -> float | None:
+    """Bytes a host sent per step, averaged over the hosts (each host's first rank reads its
+    interface; the others report nothing); None outside the emulated cluster."""
+    from portddp.transport import get_transport  # noqa: PLC0415
+
+    mine = median(samples) if samples and world.local_rank == 0 else None
+    everyone = [x for x in get_transport().allgather_object(mine) if x is not None]
+    return sum(everyone) / len(everyone) if everyone else None
+
+
+def _gather_events(members, trainers) -> list:
+    """(label, every rank's last IterationEvents) for each variant that records events."""
+    from portddp.transport import get_transport  # noqa: PLC0415
+
+    mine = {v.label: e.to_dict() for v in members if (e := trainers[v.label].events()) is not None}
+    everyone = get_transport().allgather_object(mine)
+    return [(label, [IterationEvents.from_dict(ranks[label]) for ranks in everyone]) for label in mine]
+
+
+def _median_metrics(samples: list[dict]) -> dict:
+    keys = {k for s in samples for k, v in s.items() if isinstance(v, float)}
+    return {k: statistics.median(s[k] for s in samples if k in s) for k in sorted(keys)}

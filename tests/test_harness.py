@@ -1,0 +1,101 @@
+"""The harness below experiments/ and comparisons/, single process: the package boundaries,
+config parsing, result files, the adapter's workloads (milliseconds each)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness.adapter import Workload
+from harness.config import parse_config
+from harness.results import read_result, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level module names a file imports (anywhere in it, lazy imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_entry_points_are_leaves_and_the_library_never_imports_the_harness():
+    for folder in ("experiments", "comparisons"):
+        for path in (ROOT / folder).glob("*.py"):
+            bad = {m for m in _imports(path) if m.split(".")[0] in ("experiments", "comparisons")}
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}: entry points import harness/, not each other"
+    for path in (ROOT / "harness").glob("*.py"):
+        bad = {m for m in _imports(path) if m.split(".")[0] in ("experiments", "comparisons")}
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}: the harness sits below the entry points"
+    for path in (ROOT / "portddp").rglob("*.py"):
+        if path.name == "cli.py":
+            continue  # dispatches to them lazily (next test)
+        bad = {m for m in _imports(path) if m.split(".")[0] in ("experiments", "comparisons", "harness")}
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}: the library must not depend on the harness"
+
+
+def test_cli_imports_no_harness_until_a_subcommand_needs_it():
+    code = ("import sys, portddp.cli; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('experiments', 'comparisons', 'harness')); print(bad); assert not bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_only_the_library_is_installed():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'include = ["portddp*"]' in text
+
+
+@dataclasses.dataclass
+class _Config:
+    steps: int = dataclasses.field(default=5, metadata={"help": "optimizer steps"})
+    caps: tuple[float, ...] = dataclasses.field(default=(1.0, 4.0), metadata={"help": "caps"})
+    sweep: bool = dataclasses.field(default=True, metadata={"help": "sweep"})
+
+
+def test_parse_config_has_a_flag_per_field():
+    assert parse_config(_Config, []) == _Config()
+    assert parse_config(_Config, ["--steps", "3", "--caps", "2", "8", "--no-sweep"]) == _Config(3, (2.0, 8.0), False)
+
+
+def test_results_are_written_whole_and_read_back_with_their_version(tmp_path):
+    path = write_result(tmp_path / "sub" / "x.json", {"portddp_version": "9.9", "rows": [1]})
+    assert json.loads(path.read_text())["rows"] == [1] and not list(path.parent.glob("*.tmp"))
+    assert read_result(path, "9.9")["rows"] == [1]
+    with pytest.raises(ValueError, match="written by portddp 9.9"):
+        read_result(path, "0.1")
+
+
+def test_workloads_data_and_models():
+    bench = Workload(width=16, depth=2, batch=4)
+    x, y = bench.batch_for(0, 1)
+    assert bench.regression and x.shape == y.shape == (4, 16)
+    gx, _ = bench.batch_for(0, 1, world_size=3)  # the global batch: every rank's, in rank order
+    assert gx.shape == (12, 16) and np.array_equal(gx[4:8], x)
+    tiny = Workload(model="mlp", size="tiny", batch=4, dtype="float64")
+    x, y = tiny.batch_for(2, 0)
+    assert not tiny.regression and x.shape == (4, 64) and x.dtype == np.float64 and y.dtype == np.int64
+    gelu = Workload(width=32, depth=3, activation="gelu")
+    assert "GELU" in gelu.describe() and gelu.torch_model().act.__name__ == "gelu"
+    gpt = Workload(model="gpt", size="tiny", batch=2)
+    assert gpt.batch_for(0, 0)[0].shape == (2, gpt.block_size)
+
+
+@pytest.mark.parametrize("field,value,message", [("model", "resnet", "unknown model 'resnet'"),
+                                                 ("optimizer", "lamb", "unknown optimizer 'lamb'"),
+                                                 ("activation", "tanh", "unknown activation 'tanh'")])
+def test_workload_refuses_unknown_values(field, value, message):
+    with pytest.raises(SystemExit, match=message):
+        Workload(**{field: value}).validate()
