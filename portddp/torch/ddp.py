@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -247,10 +248,11 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         self._sync_flag = None  # join(): how many ranks sync this iteration (a pending collective)
         self._last_events: IterationEvents | None = None
         self._iterations = 0
+        self._warned_create_graph = False
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
 
-    # ------------------------------------------------------------------ setup
+    # ---- construction
     def _specs(self) -> list[ParamSpec]:
         return [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type)
                 for n, p in zip(self._names, self._params)]
@@ -278,6 +280,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             if buffers and module_buffers:
                 self._comm.broadcast_(module_buffers, src=src)
 
+    # ---- plan
     def _install_plan(self, plan: BucketPlan) -> None:
         """Allocate one flat buffer per bucket and a view of it per parameter."""
         self._plan = plan
@@ -328,6 +331,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         """The BucketPlan in use (after the rebuild, the rebuilt one)."""
         return self._plan
 
+    # ---- public API
     def register_comm_hook(self, state, hook) -> None:
         """Reduce each bucket with `hook(state, bucket) -> Future` (see portddp.torch.hooks).
 
@@ -357,10 +361,11 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         finally:
             self.require_backward_grad_sync = old
 
-    # ---------------------------------------------------------------- forward
     def forward(self, *inputs, **kwargs):
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
         return self._post_forward(self.module(*inputs, **kwargs))
+
+    # ---- one iteration: begin (the forward), trigger (a hook per parameter), pack, launch
 
     @torch._dynamo.disable
     def _pre_forward(self, *inputs, **kwargs):
@@ -470,7 +475,6 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             buckets=[BucketEvents(b, buf.numel() * buf.element_size()) for b, buf in enumerate(self._bucket_buffers)],
         )
 
-    # --------------------------------------------------------------- backward
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
             if self._sync:  # under no_sync the gradient simply accumulates in .grad
@@ -513,6 +517,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
     def _pack(self, i: int, param: torch.Tensor) -> None:
         """Put param i's gradient in its bucket slot, divided unless a hook will divide."""
         grad, view = param.grad, self._views[i]
+        if grad.requires_grad:  # backward(create_graph=True)
+            grad = self._first_order(i, grad)
         if grad.layout != torch.strided:
             raise RuntimeError(
                 f"parameter {self._names[i]!r} has a {grad.layout} gradient; portddp reduces dense gradients only "
@@ -527,8 +533,20 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             torch.mul(grad, self._inv_world, out=view)
         else:
             view.copy_(grad)
-        if self.gradient_as_bucket_view:
+        if self.gradient_as_bucket_view and not param.grad.requires_grad:
             param.grad = view
+
+    def _first_order(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """backward(create_graph=True): native's behaviour -- the gradient's values are averaged,
+        its graph (for higher-order gradients) stays local to each rank -- with native's warning."""
+        if not self._warned_create_graph:
+            warnings.warn(
+                "backward(create_graph=True) through DistributedDataParallel: .grad holds the averaged "
+                "gradient, but higher-order gradients taken through it are not synchronised across ranks "
+                "(native DDP's behaviour; see https://github.com/pytorch/pytorch/issues/63929). Average them "
+                "yourself (e.g. dist.all_reduce) if your method needs them", UserWarning, stacklevel=2)
+            self._warned_create_graph = True
+        return grad.detach()
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._bucket_buffers) and self._pending[self._next_launch] == 0:
@@ -572,6 +590,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                 "bucket (bucket.buffer() after the reduction), not a part or a summary of it")
         return tensor
 
+    # ---- finalize
     def _finalize(self) -> None:
         """End of backward: launch the rest, wait in order, agree on unused params, write .grad."""
         self._expect_grads = False
@@ -635,7 +654,10 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             view = self._views[i]
             if counts[i] == 0:
                 continue  # unused on every rank: .grad is left as it was, as native DDP does
-            if self.gradient_as_bucket_view:
+            if p.grad is not None and p.grad.requires_grad:  # create_graph=True: keep its local graph
+                with torch.no_grad():
+                    p.grad.copy_(view)
+            elif self.gradient_as_bucket_view:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
             elif p.grad is None:
@@ -643,7 +665,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             else:
                 p.grad.copy_(view)
 
-    # ------------------------------------------------------------------ join
+    # ---- join/uneven
     def _shadow_iteration(self) -> None:
         """join(): this rank has no inputs left; issue the collectives of the others' forward
         and backward (in the same order as _pre_forward and _finalize do)."""
@@ -666,7 +688,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         for fut in futures:
             fut.wait()
 
-    # ---------------------------------------------------------- rebuild/autotune
+    # ---- rebuild/autotune
     def _rebuild(self) -> None:
         """Re-plan once from the order gradients really arrived in (rank 0's, broadcast)."""
         order = torch.full((len(self._params),), -1, dtype=torch.int64)
@@ -709,7 +731,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         self._observed_order = [k for b in plan.buckets for k in b.params]
         self._rebuilt = True
 
-    # ------------------------------------------------------------------ stats
+    # ---- stats
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         if self._last_events is None:
