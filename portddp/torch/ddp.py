@@ -188,6 +188,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             module, device_ids, output_device, process_group, device_mesh, mixed_precision, bucket_cap_mb_list,
             delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction)
         self.config = config
+        self._iterations = 0  # synchronised iterations finished
         self._tuner = config.tuner()
         self.module = module
         self.dim = dim
@@ -247,7 +248,6 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         self._finalize_queued = False
         self._sync_flag = None  # join(): how many ranks sync this iteration (a pending collective)
         self._last_events: IterationEvents | None = None
-        self._iterations = 0
         self._warned_create_graph = False
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
@@ -259,7 +259,9 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
 
     def _verify_same_model(self, specs: list[ParamSpec]) -> None:
         """Compare every rank's parameter list with rank 0's; name the first difference."""
-        everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
+        self._issue("model check")
+        with watchdog.waiting():
+            everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
         check_same_specs(everyone, "model mismatch across ranks", "parameter", "trainable parameters")
 
     def _module_buffers(self) -> list[torch.Tensor]:
@@ -271,7 +273,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
 
         The same exchange as portddp.jax's broadcast() (see portddp.protocol)."""
         self._verify_same_model(list(self._plan.specs))
-        with torch.no_grad():
+        self._issue(f"broadcast of rank {src}'s parameters")
+        with torch.no_grad(), watchdog.waiting():
             for bucket in self._plan.buckets:
                 self._comm.broadcast_([self._params[i] for i in bucket.params], src=src)
             if self._delayed:
@@ -450,7 +453,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         """Rank 0's buffers everywhere (in join(): those of the highest rank still training)."""
         src = self._find_common_rank(True) if self._join_config.enable else 0
         if self.world_size > 1:
-            with torch.no_grad():
+            self._issue("buffer broadcast")
+            with torch.no_grad(), watchdog.waiting():
                 self._comm.broadcast_(self._module_buffers(), src=src)
 
     def _begin_iteration(self, start_ns: int) -> None:
@@ -467,7 +471,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         self._contributors = self.world_size
         if self._sync_flag is not None and not self._divide_by_initial_world_size:
             # join(divide_by_initial_world_size=False): the mean over the ranks still training.
-            self._contributors = int(self._sync_flag.wait()[0])
+            with watchdog.waiting():
+                self._contributors = int(self._sync_flag.wait()[0])
         self._inv_world = 1.0 / self._contributors
         self._events = IterationEvents(
             rank=self.rank,
@@ -565,6 +570,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         self._futures[b] = fut
 
     def _reduce_bucket(self, b: int, buffer: torch.Tensor) -> torch.futures.Future:
+        self._issue(f"bucket {b}")
         if self._hook is None:
             return self._comm.allreduce(buffer)
         # A new GradBucket each time, as native hands out: hooks may set_buffer() on it.
@@ -612,15 +618,16 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         # gradient held a NaN or Inf (a second half of the vector).
         flags = bytes(self._seen) + (bytes(self._nonfinite) if self.check_finite else b"")
         used_fut = self._exchange_used(flags) if early else None
-        for b, fut in enumerate(self._futures):
-            result = self._check_hook_result(b, fut.wait()) if self._hook is not None else fut.wait()
-            if result.data_ptr() != self._bucket_buffers[b].data_ptr():
-                self._bucket_buffers[b].copy_(result)
-        if not early:
-            delayed, used_fut = self._launch_delayed(), self._exchange_used(flags)
-        if delayed is not None:
-            self._write_delayed(delayed)
-        totals = used_fut.wait().tolist()
+        with watchdog.waiting():
+            for b, fut in enumerate(self._futures):
+                result = self._check_hook_result(b, fut.wait()) if self._hook is not None else fut.wait()
+                if result.data_ptr() != self._bucket_buffers[b].data_ptr():
+                    self._bucket_buffers[b].copy_(result)
+            if not early:
+                delayed, used_fut = self._launch_delayed(), self._exchange_used(flags)
+            if delayed is not None:
+                self._write_delayed(delayed)
+            totals = used_fut.wait().tolist()
         counts, nonfinite = totals[:len(self._params)], totals[len(self._params):]
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
@@ -639,6 +646,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
 
     def _exchange_used(self, flags: bytes):
         used = torch.frombuffer(bytearray(flags), dtype=torch.uint8).to(torch.int32)
+        self._issue("used-count")
         return self._comm.allreduce(used) if self.world_size > 1 else _done(used)
 
     def _raise_unused(self, counts: list[int]) -> None:
@@ -646,7 +654,9 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
 
     def _raise_nonfinite(self) -> None:
         mine = [self._names[i] for i, bad in enumerate(self._nonfinite) if bad]
-        everyone = self._comm.allgather_object(mine) if self.world_size > 1 else [mine]
+        self._issue("non-finite gradients' names")
+        with watchdog.waiting():
+            everyone = self._comm.allgather_object(mine) if self.world_size > 1 else [mine]
         raise nonfinite_error(everyone, self.rank)
 
     def _write_grads(self, counts: list[int]) -> None:
@@ -673,7 +683,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             self._rebuild()
         if self._will_sync_buffers():
             self._sync_buffers()
-        contributors = int(self._exchange_sync_flag(False).wait()[0])
+        with watchdog.waiting():
+            contributors = int(self._exchange_sync_flag(False).wait()[0])
         self.require_forward_param_sync = contributors > 0
         if contributors == 0:
             return  # the others run a local (no_sync) or no_grad forward
@@ -685,8 +696,9 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             futures.append(self._comm.allreduce(torch.zeros(sum(p.numel() for _, p in self._delayed),
                                                             dtype=self._delayed[0][1].dtype)))
         futures.append(self._exchange_used(bytes(len(self._params) * (2 if self.check_finite else 1))))
-        for fut in futures:
-            fut.wait()
+        with watchdog.waiting():
+            for fut in futures:
+                fut.wait()
 
     # ---- rebuild/autotune
     def _rebuild(self) -> None:
@@ -695,7 +707,9 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         if self._rebuild_order is not None:
             order[: len(self._rebuild_order)] = torch.tensor(self._rebuild_order, dtype=torch.int64)
         if self.world_size > 1:
-            self._comm.broadcast_([order], src=0)
+            self._issue("plan rebuild (rank 0's gradient order)")
+            with watchdog.waiting():
+                self._comm.broadcast_([order], src=0)
         self._observed_order = [i for i in order.tolist() if i >= 0]
         self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
                                         self.first_bucket_cap_mb))
@@ -706,7 +720,9 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         """bucket_cap_mb="auto": the cap this iteration uses; re-plan (observed order) when it changes."""
         cap = self._tuner.start_iteration(now)
         if cap is None:  # trials over: agree on the winner (a collective, on every rank)
-            cap = self._tuner.decide(self._comm.allgather_object, self.rank)
+            self._issue("bucket_cap_mb='auto' decision")
+            with watchdog.waiting():
+                cap = self._tuner.decide(self._comm.allgather_object, self.rank)
         if cap != self.bucket_cap_mb:
             self.bucket_cap_mb = cap
             if self._observed_order is not None:  # else the pending rebuild plans with the new cap
@@ -732,6 +748,10 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         self._rebuilt = True
 
     # ---- stats
+    def _issue(self, what: str) -> None:
+        """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
+        watchdog.collective(f"iteration {self._iterations + 1}: {what}")
+
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         if self._last_events is None:

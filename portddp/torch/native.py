@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook
 
-from portddp import launch
+from portddp import launch, watchdog
 from portddp.buckets import cap_bytes
 
 __all__ = ["NativeInterface"]
@@ -213,7 +213,9 @@ class NativeInterface:
         votes = torch.zeros(self.world_size, dtype=torch.int32)
         votes[self.rank] = int(candidate)
         if self.world_size > 1:
-            votes = self._comm.allreduce(votes).wait()
+            self._issue("join: vote for the source rank")
+            with watchdog.waiting():
+                votes = self._comm.allreduce(votes).wait()
         chosen = [r for r, v in enumerate(votes.tolist()) if v]
         if not chosen:
             raise RuntimeError("join(): no rank qualified as the source of the model (a portddp bug)")
@@ -223,6 +225,8 @@ class NativeInterface:
         """join(): every rank says whether it synchronises this iteration (joined ranks: no); the sum
         is the number of ranks that contribute gradients."""
         flag = torch.tensor([int(sync)], dtype=torch.int32)
+        if self.world_size > 1:
+            self._issue("join: how many ranks synchronise")
         return self._comm.allreduce(flag) if self.world_size > 1 else _done(flag)
 
     # -- delay_all_reduce_named_params: reduced together after the buckets
@@ -232,6 +236,7 @@ class NativeInterface:
             return None
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for _, p in self._delayed]).mul_(self._inv_world)
+        self._issue("delayed parameters")
         return flat, self._comm.allreduce(flat)
 
     def _write_delayed(self, delayed) -> None:
