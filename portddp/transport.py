@@ -149,11 +149,6 @@ class MPITransport:
         self.node = node_comm(self.comm)
         self.local_rank, self.local_size = self.node.rank, self.node.size
         self.multi_host = self.local_size < self.size
-        # How to wait for MPI (PORTDDP_MPI_WAIT=spin|sleep): MPICH's blocking collectives poll a full
-        # core while a peer is late; a nonblocking one tested with sleeps in between costs ~4 % of
-        # the wait (README, Performance: waiting). Across hosts it is also the faster one (a ring,
-        # MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM, set by portddp.launch).
-        self._spin = os.environ.get("PORTDDP_MPI_WAIT", "sleep") == "spin"
         self._max_pause = float(os.environ.get("PORTDDP_MPI_POLL_US", 500)) * 1e-6
         # The all-reduce (PORTDDP_MPI_ALLREDUCE=shm|mpi): within a host on a shared-memory window
         # (portddp.shm; hierarchical across hosts), or MPI's own.
@@ -166,6 +161,14 @@ class MPITransport:
             self._shm = ShmAllreduce(self.comm, self.node, wait=self._complete, half_op=_half_sum_op)
         else:
             self.allreduce_impl = "mpi"
+        # How to wait for MPI (PORTDDP_MPI_WAIT=spin|sleep). MPICH's blocking collectives poll a full
+        # core while a peer is late (~0.85-1.0 CPU s per s); a nonblocking one tested with sleeps in
+        # between costs ~0.04, but it progresses only when tested: on one host MPI's 32 MB all-reduce
+        # takes 2.4x as long that way, so MPI's own all-reduce on one host (PORTDDP_MPI_ALLREDUCE=mpi)
+        # keeps the blocking call. Across hosts the nonblocking ring (MPIR_CVAR_IALLREDUCE_INTRA_
+        # ALGORITHM, set by portddp.launch) is also the faster one. README, Performance.
+        default_wait = "spin" if self._shm is None and not self.multi_host else "sleep"
+        self._spin = os.environ.get("PORTDDP_MPI_WAIT", default_wait) == "spin"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="portddp-mpi-comm", daemon=True)
         self._thread.start()

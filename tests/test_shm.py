@@ -57,3 +57,29 @@ def test_hierarchical_on_two_emulated_hosts():
                           cwd=mpi.ROOT, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PORTDDP_MPI_ALLREDUCE": "shm", "PYTHONUNBUFFERED": "1"})
     _check(proc, 4, "shm", hosts=2)
+
+
+def test_torch_mpi_comm_buffers_in_the_window():
+    """MPIComm.empty: tensors (all four float dtypes) whose slices all-reduce in place, zero-copy."""
+    import subprocess  # noqa: PLC0415
+
+    code = """
+import os, torch
+from portddp.torch.comm import MPIComm
+c = MPIComm()
+for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    t = c.empty(1000, dt); t.fill_(c.rank + 1)
+    v = t[10:500]
+    assert c.is_shared(v), dt
+    c.allreduce(v).wait()
+    assert (t[10:500] == 3).all() and (t[:10] == c.rank + 1).all() and (t[500:] == c.rank + 1).all(), dt
+    x = torch.ones(7, dtype=dt)
+    assert not c.is_shared(x)
+    c.allreduce(x).wait()
+    assert (x == 2).all(), dt
+os.write(1, f"TORCH_SHM_OK {c.rank}\\n".encode())
+"""
+    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code], cwd=mpi.ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PORTDDP_MPI_ALLREDUCE": "shm"})
+    assert proc.stdout.count("TORCH_SHM_OK") == 2, proc.stdout + proc.stderr[-3000:]

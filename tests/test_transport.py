@@ -37,8 +37,10 @@ def test_then_runs_when_done_and_errors_propagate():
 @pytest.mark.parametrize("impl", ["shm", "mpi"])
 def test_waiting_for_a_late_peer_does_not_spin(impl):
     """Rank 1 arrives 1 s late: rank 0's CPU over the wait stays under 10 % of it (a blocking MPICH
-    collective burns most of a core, README: Performance)."""
-    proc = mpi.run(2, "tests.workers.transport_wait", "1.0", timeout=120, env={"PORTDDP_MPI_ALLREDUCE": impl})
+    collective burns most of a core, README: Performance). The shared-memory all-reduce (the
+    default) sleeps in a futex; MPI's own, with PORTDDP_MPI_WAIT=sleep, tests and sleeps."""
+    env = {"PORTDDP_MPI_ALLREDUCE": impl, **({"PORTDDP_MPI_WAIT": "sleep"} if impl == "mpi" else {})}
+    proc = mpi.run(2, "tests.workers.transport_wait", "1.0", timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = re.findall(r"WAIT impl=(\w+) op=(\w+) wall=([\d.]+) cpu=([\d.]+)", proc.stdout)
     assert len(rows) == 3, proc.stdout + proc.stderr[-2000:]

@@ -92,6 +92,21 @@ class MPIComm(_Comm):
         self.rank = self.transport.rank
         self.size = self.transport.size
 
+    def empty(self, size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised CPU tensor for bucket buffers: inside this host's shared-memory window
+        when the transport's shared-memory all-reduce is on, so `allreduce` of it (or of a
+        contiguous slice of it) reads and writes it in place, with no copies; else torch.empty."""
+        shape = (size,) if isinstance(size, int) else tuple(size)
+        if dtype == torch.bfloat16:
+            arr = self.transport.empty(shape, np.int16)
+            return torch.from_numpy(arr).view(torch.bfloat16)
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        return torch.from_numpy(self.transport.empty(shape, np_dtype))
+
+    def is_shared(self, tensor: torch.Tensor) -> bool:
+        """Whether `allreduce(tensor)` takes the zero-copy path."""
+        return self.transport.is_shared(_numpy_view(tensor))
+
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         fut = torch.futures.Future()
 
