@@ -113,8 +113,8 @@ def test_cpu_meter_tells_a_spinning_thread_from_a_waiting_one():
             pass
 
     spinning, waiting = measure(spin), measure(lambda stop: stop.wait())
-    # Per step (0.1 s of wall time): the spinner burns most of it (it shares the GIL with nobody
-    # busy, but the machine's cores are shared), the waiter nothing; the main thread slept.
-    assert spinning["comm"] > 0.03 and waiting["comm"] < 0.005, (spinning, waiting)
+    # Per step (0.1 s of wall time): the spinner burns what the shared cores give it (all of it on an
+    # idle machine, a fifth on a busy one), the waiter next to nothing; the main thread slept.
+    assert spinning["comm"] > 0.01 and waiting["comm"] < spinning["comm"] / 20, (spinning, waiting)
     assert spinning["main"] < 0.01 and spinning["wall"] == pytest.approx(0.1, rel=0.5)
     assert spinning["threads"]["portddp-mpi-comm"] == pytest.approx(spinning["comm"])
