@@ -44,7 +44,8 @@ def _tx_bytes() -> int:
 def worker(args) -> None:
     import portddp  # noqa: PLC0415
 
-    world = portddp.init()  # c10d (Gloo) beside MPI, one thread per rank's share of the cores
+    # c10d (Gloo) beside MPI (and jax.distributed for XLA's CPU collectives with --xla)
+    world = portddp.init(jax_distributed=args.xla)
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
@@ -90,6 +91,8 @@ def worker(args) -> None:
     variants["MPI Allreduce (blocking)"] = (via_transport(private, "mpi", True), private)
     variants["MPI Iallreduce + test/sleep"] = (via_transport(private, "mpi", False), private)
     variants["Gloo (torch.distributed)"] = (lambda: dist.all_reduce(tensor), tensor)
+    if args.xla:
+        variants.update(_xla_variants(n, count, data))
     names = list(variants)
     skip = set(args.skip.split(",")) if args.skip else set()
     names = [x for x in names if not any(s and s in x for s in skip)]
@@ -149,11 +152,43 @@ def worker(args) -> None:
     del world
 
 
+def _xla_variants(n: int, count: int, data: np.ndarray) -> dict:
+    """XLA:CPU's cross-process all-reduce (jax.distributed + jax_cpu_collectives_implementation, Gloo
+    by default): a jitted shard_map psum over one row per process, as portddp.jax's compiled
+    strategy runs it -- the program alone (input already a device array, block_until_ready), and
+    with the host round trip the strategy pays (numpy in, numpy out)."""
+    import jax  # noqa: PLC0415
+    from jax.sharding import NamedSharding  # noqa: PLC0415
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = [next(d for d in devices if d.process_index == p) for p in range(n)]
+    mine = next(d for d in devices if d.process_index == jax.process_index())
+    mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+    sharded = NamedSharding(mesh, P("x"))
+    fn = jax.jit(jax.shard_map(lambda g: jax.lax.psum(g[0], "x"), mesh=mesh, in_specs=P("x"), out_specs=P(),
+                               check_vma=False))
+    row = data[None]
+    x = jax.make_array_from_single_device_arrays((n, count), sharded, [jax.device_put(row, mine)])
+    fn(x).block_until_ready()
+    out = {}
+
+    def program():
+        out["r"] = fn(x).block_until_ready()
+
+    def round_trip():
+        g = jax.make_array_from_process_local_data(sharded, data[None])
+        out["r"] = np.asarray(fn(g).addressable_data(0))
+
+    return {f"XLA psum ({jax.config.jax_cpu_collectives_implementation}), program": (program, None),
+            "XLA psum, numpy in and out": (round_trip, None)}
+
+
 # -- the driver ----------------------------------------------------------------------------------
 def _job(args, label: str, env: dict, skip: str = "") -> dict:
     inner = [sys.executable, "-m", "experiments.allreduce_bench", "--worker", "--label", label,
              "--size-mb", str(args.size_mb), "--rounds", str(args.rounds), "--reps", str(args.reps),
-             "--warmup", str(args.warmup)] + (["--skip", skip] if skip else [])
+             "--warmup", str(args.warmup)] + (["--skip", skip] if skip else []) + (["--xla"] if args.xla and not skip else [])
     if args.cluster:
         cmd = [sys.executable, "-m", "portddp.cluster", "-n", str(args.n), "--hosts", str(args.hosts),
                "--link", args.link, "--", *inner]
@@ -179,6 +214,7 @@ def main(argv=None) -> None:
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--link", default="1gbit")
     p.add_argument("--no-cvars", action="store_true", help="skip the job with MPIR_CVAR_ENABLE_HEAVY_YIELD=1")
+    p.add_argument("--xla", action="store_true", help="also XLA:CPU's cross-process psum (jax.distributed)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--label", default="", help=argparse.SUPPRESS)
     p.add_argument("--skip", default="", help=argparse.SUPPRESS)
