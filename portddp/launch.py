@@ -106,8 +106,17 @@ def export_torchrun_env(rendezvous: bool = False) -> None:
                         ("LOCAL_WORLD_SIZE", w.local_size)):
         os.environ.setdefault(name, str(value))
     if rendezvous and not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        global _CHOSEN_PORT
+        users = os.environ.get("MASTER_PORT")
         addr, port = rendezvous_address(w)
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+        if not users:
+            _CHOSEN_PORT = str(port)
+
+
+_CHOSEN_PORT: str | None = None
+"""MASTER_PORT as portddp chose it (not the user): the JAX coordinator then gets a free port of its
+own rather than MASTER_PORT + 1, which nobody checked was free."""
 
 
 def _reachable_address() -> str | None:
@@ -164,8 +173,11 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
     mine = None
     if w.rank == 0:
         addr = os.environ.get("MASTER_ADDR") or _reachable_address()
-        port = int(os.environ["MASTER_PORT"]) + offset if os.environ.get("MASTER_PORT") else _free_port()
-        mine = (addr, port, socket.gethostname(), _port_taken(port) if os.environ.get("MASTER_PORT") else None)
+        asked = os.environ.get("MASTER_PORT")
+        if offset and asked == _CHOSEN_PORT:
+            asked = None  # portddp's own choice for c10d: nobody asked for the port after it
+        port = int(asked) + offset if asked else _free_port()
+        mine = (addr, port, socket.gethostname(), _port_taken(port) if asked else None)
     addr, port, host0, taken = comm.bcast(mine, root=0)
     if taken is not None:  # every rank raises, not only rank 0 (the others would wait for it forever)
         variable = "MASTER_PORT" if offset == 0 else f"MASTER_PORT (+{offset} for the {purpose} coordinator)"
@@ -253,36 +265,55 @@ def init(
     timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
     if torch_distributed:
         _init_c10d(w, backend or "gloo", timeout_s)
-    if jax_distributed:
-        _init_jax(w, timeout_s)
     _WORLD = w
     if watchdog and w.size > 1:
-        _start_watchdog(w, torch_distributed)
+        # Before jax.distributed: a rank that fails to start it (e.g. its port taken) then stops the
+        # others, instead of leaving them waiting for its coordinator until the timeout.
+        _start_watchdog(w, torch_distributed, timeout_s)
+    if jax_distributed:
+        _init_jax(w, timeout_s)
     return w
 
 
 _WATCHDOG = None
 
 
-def allgather_object(obj) -> list:
+def allgather_object(obj, *, name: str | None = None) -> list:
     """Every rank's `obj`, in rank order, over the launcher's own channel (MPI's COMM_WORLD
-    under mpirun, c10d under torchrun): independent of whichever transport a DDP uses."""
+    under mpirun, c10d under torchrun): independent of whichever transport a DDP uses.
+
+    `name` (e.g. "checkpoint save") names the collective for portddp.watchdog's stall inspector
+    and is checked: if the ranks met in differently named calls (each thinking it was in another
+    collective), every rank raises, naming each rank's call, instead of using the wrong objects."""
+    from portddp import watchdog  # noqa: PLC0415
+
     w = world()
     if w.size == 1:
         return [obj]
+    label = name or "allgather_object"
+    watchdog.collective(label)
     if w.launcher == "mpirun":
-        return mpi_comm().allgather(obj)
-    import torch.distributed as dist  # noqa: PLC0415
+        with watchdog.waiting(label):
+            got = mpi_comm().allgather((name, obj))
+    else:
+        import torch.distributed as dist  # noqa: PLC0415
 
-    if not dist.is_initialized():
-        raise RuntimeError(f"launched by {w.launcher} with {w.size} ranks but c10d is not initialised: "
-                           "call portddp.init() first")
-    out = [None] * w.size
-    dist.all_gather_object(out, obj)
-    return out
+        if not dist.is_initialized():
+            raise RuntimeError(f"launched by {w.launcher} with {w.size} ranks but c10d is not initialised: "
+                               "call portddp.init() first")
+        got = [None] * w.size
+        with watchdog.waiting(label):
+            dist.all_gather_object(got, (name, obj))
+    names = [n for n, _ in got]
+    if name is not None and any(n != name for n in names):
+        where = "; ".join(f"rank {r}: {n or 'an unnamed allgather_object'!r}" for r, n in enumerate(names))
+        raise RuntimeError(f"the ranks met in different collectives -- {where} (this is rank {w.rank}). Every rank "
+                           f"must make the same calls in the same order (e.g. call {name!r} on every rank, or on "
+                           "none)")
+    return [o for _, o in got]
 
 
-def _start_watchdog(w: World, torch_distributed: bool) -> None:
+def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Connect every rank to every other for portddp.watchdog, once per process."""
     global _WATCHDOG
     from portddp import watchdog  # noqa: PLC0415
@@ -294,7 +325,7 @@ def _start_watchdog(w: World, torch_distributed: bool) -> None:
     server, me = watchdog.listen(_reachable_address() or "127.0.0.1")
     peers = allgather_object(me)
     try:
-        _WATCHDOG = watchdog.start(w.rank, server, peers)
+        _WATCHDOG = watchdog.start(w.rank, server, peers, stall_s=0.8 * timeout_s)
     except OSError as e:  # every rank ends up here (a peer it waits for never connects): run without it
         import warnings  # noqa: PLC0415
 
@@ -315,10 +346,28 @@ def _init_jax(w: World, timeout_s: float) -> None:
         return  # a world of one needs no coordinator
     # The coordinator gets its own port: c10d's TCPStore may hold the first one.
     addr, port = rendezvous_address(w, purpose="jax")
+    if w.launcher != "mpirun":  # under mpirun rendezvous_address checked it; here rank 0 checks and tells
+        taken = _port_taken(port) if w.rank == 0 else None
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if dist.is_available() and dist.is_initialized():
+            taken = allgather_object(taken)[0]
+        if taken is not None:
+            raise RuntimeError(f"port {port} on rank 0 ({socket.gethostname() if w.rank == 0 else addr}) is already "
+                               f"in use ({taken}), and MASTER_PORT (+1 for the jax coordinator) asks for it: set "
+                               "MASTER_PORT so that MASTER_PORT + 1 is a free port too")
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service takes SIGTERM for itself (a "preemption notice" a training loop must
+    # poll): a SIGTERM from mpirun or a scheduler then stopped nothing (one job ran 189 s past it).
+    # Off, unless asked for; portddp.watchdog then handles SIGTERM as without JAX.
+    if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
+        jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=w.size, process_id=w.rank,
                                initialization_timeout=int(timeout_s))
+    from portddp import watchdog  # noqa: PLC0415
+
+    watchdog.reinstall_signal_handler()
 
 
 def _init_c10d(w: World, backend: str, timeout_s: float) -> None:

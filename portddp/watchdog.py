@@ -33,6 +33,26 @@ after the goodbye, exits the same way, naming the rank, its count and the fix
 (`join()` / `ddp.uneven()` for uneven inputs). (The grace lets a rank that
 left because of an error every rank hits -- bad input -- raise its own.)
 
+Stalls and desyncs (the role of Horovod's stall inspector and PyTorch's desync
+debug mode): every collective portddp issues is announced with
+`collective(name)` -- a per-process sequence number and a name such as
+"iteration 12 bucket 3" or "checkpoint save" -- and every wait for one is
+wrapped in `with waiting(name):`. When a rank has waited longer than
+PORTDDP_STALL_S seconds (default: 80 % of PORTDDP_TIMEOUT_S, i.e. 240 s, so it
+speaks before c10d's own timeout; 0 turns it off), the lowest live rank asks
+every rank over these sockets where it is (its sequence number, its last
+collectives' names, waiting since when or computing since when, iterations
+done), and every rank prints the same table -- naming the rank(s) behind, or
+the first collective whose name differs across ranks -- and exits 70. The
+watchdog threads answer even while their main threads are blocked in a
+collective.
+
+SIGTERM (from a scheduler, or forwarded by mpirun) stops the rank at once even
+while its main thread is blocked in a collective (the signal wakes this
+thread), and the others exit naming it; the signalled rank exits 143 (128 +
+SIGTERM). A SIGTERM handler of the script's own, installed after
+`portddp.init()`, takes precedence.
+
 Knobs: `portddp.init(watchdog=False)` or PORTDDP_WATCHDOG=0 turns it off;
 PORTDDP_WATCHDOG_S (default 0.25 s) is how often the launcher is checked. A
 rank on another host whose machine vanishes without closing its sockets is
@@ -43,19 +63,28 @@ jax.distributed).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import selectors
+import signal
 import socket
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
-__all__ = ["EXIT_CODE", "Watchdog", "listen", "pid_alive", "start", "step_started", "step_finished"]
+__all__ = ["EXIT_CODE", "Watchdog", "collective", "listen", "pid_alive", "start", "stall_report", "step_started",
+           "step_finished", "waiting"]
 
 EXIT_CODE = 70
 """The exit status of a rank that stopped because another rank was lost (EX_SOFTWARE)."""
 
 _BYE, _FAILED, _STOPPED = b"B", b"F", b"S"
+# The stall inspector: "report your state" (from the inspecting rank), the answer (JSON), and "I have
+# waited past PORTDDP_STALL_S" (to the inspecting rank).
+_QUERY, _ANSWER, _STALLED = b"Q", b"A", b"W"
+_NEWLINE = "\x1e"  # a message is one line: newlines travel as this
+_RING = 64  # names of the last collectives kept per process (for the desync check)
 
 
 class _Steps:
@@ -67,6 +96,149 @@ class _Steps:
 
 _STEPS = _Steps()
 _ACTIVE: "Watchdog | None" = None
+
+
+class _Progress:
+    """This process's collectives: how many issued, the names of the last _RING, and whether a
+    thread waits for one (since when) or not (computing since when)."""
+
+    seq = 0
+    names = [""] * _RING
+    waiters = 0
+    waiting_since: float | None = None
+    waiting_for = ""
+    idle_since = time.monotonic()
+    lock = threading.Lock()
+
+
+_PROGRESS = _Progress()
+_NULL = nullcontext()
+
+
+def collective(name: str) -> None:
+    """This rank issues its next collective, named e.g. "iteration 12 bucket 3" or "checkpoint save".
+    Every rank must issue the same names in the same order. Two stores, no system call: cheap
+    enough for every bucket."""
+    p = _PROGRESS
+    p.seq += 1
+    p.names[p.seq % _RING] = name
+
+
+class _Waiting:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        p = _PROGRESS
+        with p.lock:
+            if p.waiters == 0:
+                p.waiting_since, p.waiting_for = time.monotonic(), self.name or p.names[p.seq % _RING]
+            p.waiters += 1
+        return self
+
+    def __exit__(self, *exc):
+        p = _PROGRESS
+        with p.lock:
+            p.waiters -= 1
+            if p.waiters == 0:
+                p.waiting_since, p.idle_since = None, time.monotonic()
+        return False
+
+
+def waiting(name: str = ""):
+    """Context manager: this thread is blocked waiting for collective(s) -- e.g. around a
+    future's or handle's wait(). `name` defaults to the last collective issued. A shared no-op
+    when the watchdog is off."""
+    return _NULL if _ACTIVE is None else _Waiting(name)
+
+
+def _my_state(rank: int) -> dict:
+    """What this rank tells the stall inspector."""
+    p, now = _PROGRESS, time.monotonic()
+    since = p.waiting_since
+    seq = p.seq
+    return {"rank": rank, "seq": seq, "names": {str(k): p.names[k % _RING] for k in range(max(1, seq - _RING + 1),
+                                                                                             seq + 1)},
+            "waiting": None if since is None else round(now - since, 3), "waiting_for": p.waiting_for,
+            "idle": None if since is not None else round(now - p.idle_since, 3),
+            "iterations": _STEPS.completed, "in_iteration": _STEPS.busy}
+
+
+def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", departed: dict | None = None) -> str | None:
+    """The stall inspector's verdict from every rank's state (`_my_state`; None for a rank that did
+    not answer): a headline and a table, one line each, or None when no rank has waited longer than
+    `stall_s` (nothing to report). Pure: the same states give the same text on every rank."""
+    departed = departed or {}
+    live = {r: s for r, s in states.items() if s is not None}
+    stalled = sorted(r for r, s in live.items() if s["waiting"] is not None and s["waiting"] >= stall_s)
+    if not stalled:
+        return None
+    names = {r: {int(k): v for k, v in s["names"].items()} for r, s in live.items()}
+    top = max(s["seq"] for s in live.values())
+
+    def coll(r, k=None):
+        k = live[r]["seq"] if k is None else k
+        return f"#{k} '{names[r].get(k, '?')}'" if k > 0 else "none yet"
+
+    def ranks(rs):
+        rs = sorted(rs)
+        return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+    waited = max(live[r]["waiting"] for r in stalled)
+    head = (f"stall: {ranks(stalled)} waited {waited:.1f} s (over PORTDDP_STALL_S={stall_s:g}) for a collective "
+            "that never completed; ")
+    # The first collective whose name differs across the ranks that issued it (a desync), within
+    # what every rank remembers.
+    low = max([min(n) for n in names.values() if n] or [1])
+    desync = None
+    for k in range(low, top + 1):
+        by_name: dict[str, list] = {}
+        for r in live:
+            if live[r]["seq"] >= k:
+                by_name.setdefault(names[r].get(k, "?"), []).append(r)
+        if len(by_name) > 1:
+            desync = k, by_name
+            break
+    behind = sorted(r for r, s in live.items() if s["seq"] < top and s["waiting"] is None) if desync is None else []
+    leaders = sorted(r for r, s in live.items() if s["seq"] == top)
+    if desync is not None:
+        k, by_name = desync
+        parts = [f"'{n}' on {ranks(rs)}" for n, rs in sorted(by_name.items(), key=lambda kv: min(kv[1]))]
+        head += (f"the ranks issued different collectives: collective #{k} is " + " but ".join(parts) +
+                 ". Every rank must issue the same collectives in the same order (the same calls, on every rank)")
+    elif behind:
+        head += (f"{ranks(behind)} {'is' if len(behind) == 1 else 'are'} behind: " + "; ".join(
+            f"rank {r}'s last collective is {coll(r)} and it has been computing for {live[r]['idle']:.1f} s since"
+            for r in behind) + f", while {ranks(leaders)} {'is' if len(leaders) == 1 else 'are'} in "
+            f"{coll(leaders[0])}. Find what {'it is' if len(behind) == 1 else 'they are'} doing (a slow step, I/O, "
+            "work on some ranks only), or raise PORTDDP_STALL_S if this wait is expected")
+    elif all(s["waiting"] is not None for s in live.values()) and len({s["seq"] for s in live.values()}) == 1:
+        head += (f"every rank{' that answered' if len(live) < len(states) else ''} waits in {coll(stalled[0])}: the collective itself does not complete "
+                 "(a network problem, or a collective portddp does not see, issued by some ranks only)")
+    else:
+        head += "no rank is computing behind the others (see the table)"
+    missing = sorted(r for r, s in states.items() if s is None)
+    if missing:
+        head += f"; {ranks(missing)} did not answer (blocked holding the GIL?)"
+    rows = [("rank", "process", "collectives", "last collective", "state", "iterations")]
+    for r in sorted(states):
+        s = states[r]
+        if s is None:
+            rows.append((str(r), who(r), "?", "?", "no answer", "?"))
+            continue
+        state = (f"waiting {s['waiting']:.1f} s in '{s['waiting_for']}'" if s["waiting"] is not None
+                 else f"computing for {s['idle']:.1f} s")
+        mark = " <- behind" if r in behind else ""
+        rows.append((str(r), who(r), str(s["seq"]), coll(r) if s["seq"] else "none yet", state + mark,
+                     str(s["iterations"])))
+    for r, done in sorted(departed.items()):
+        if r not in states:
+            rows.append((str(r), who(r), "-", "-", "left (goodbye)", str(done)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join([head, *table])
 
 
 def step_started() -> None:
@@ -111,8 +283,8 @@ def listen(host: str) -> tuple[socket.socket, tuple]:
 
 class Watchdog:
     def __init__(self, rank: int, server: socket.socket, peers: list[tuple], interval_s: float,
-                 connect_timeout_s: float = 60.0):
-        self.rank, self.peers, self.interval_s = rank, peers, interval_s
+                 connect_timeout_s: float = 60.0, stall_s: float = 0.0):
+        self.rank, self.peers, self.interval_s, self.stall_s = rank, peers, interval_s, stall_s
         self.parent = os.getppid()
         self.socks: dict[int, socket.socket] = {}
         # Lower ranks are dialled, higher ranks dial us: every pair gets exactly one socket.
@@ -129,6 +301,7 @@ class Watchdog:
         for s in self.socks.values():
             s.setblocking(False)
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # the thread answers while the main thread may say goodbye
         self._done = False
         self._selector = selectors.DefaultSelector()
         for r, s in self.socks.items():
@@ -141,14 +314,59 @@ class Watchdog:
         self._departed: dict[int, int] = {}  # rank -> synchronised iterations it finished before leaving
         self._departed_at: dict[int, float] = {}
         self._grace_s = float(os.environ.get("PORTDDP_EARLY_EXIT_GRACE_S", 5.0))
+        # The stall inspector: the inspection under way (answers by rank, deadline), the wait already
+        # reported (its start time), and when to inspect alone if the inspecting rank stays silent.
+        self._inspection: dict | None = None
+        self._reported_wait: float | None = None
+        self._fallback_at: float | None = None
+        self._sig_r, self._sig_w = socket.socketpair()
+        self._sig_r.setblocking(False)
+        self._sig_w.setblocking(False)
+        self._selector.register(self._sig_r, selectors.EVENT_READ, "signal")
         self._thread = threading.Thread(target=self._run, name="portddp-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.finished)
         self._excepthook = sys.excepthook
         sys.excepthook = self._on_uncaught
+        self.install_signal_handler()
 
     def _who(self, r: int) -> str:
         return f"rank {r} (pid {self.peers[r][3]} on {self.peers[r][2]})"
+
+    # --------------------------------------------------------------------- SIGTERM
+    def install_signal_handler(self) -> None:
+        """(Main thread.) Catch SIGTERM, unless the script has a handler of its own, and have it wake
+        this thread: a main thread blocked in a collective never runs a Python signal handler.
+        Called again after jax.distributed starts (its preemption notifier takes SIGTERM)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current not in (signal.SIG_DFL, None, self._on_sigterm):
+            return
+        try:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            old = signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            return
+        if old not in (-1, self._sig_w.fileno()):  # someone else's (asyncio's): leave it theirs
+            signal.set_wakeup_fd(old)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._terminated(signum)
+
+    def _terminated(self, signum: int) -> None:
+        if self._thread.is_alive() and not self._done:
+            self._exit(f"{self._who(self.rank)} received {signal.Signals(signum).name}", code=128 + signum)
+        signal.signal(signum, signal.SIG_DFL)  # finished already: end the way the signal would
+        os.kill(os.getpid(), signum)
+
+    def _on_signal_bytes(self) -> None:
+        try:
+            data = self._sig_r.recv(512)
+        except OSError:
+            return
+        if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            self._exit(f"{self._who(self.rank)} received SIGTERM", code=128 + signal.SIGTERM)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -158,15 +376,25 @@ class Watchdog:
                 r = key.data
                 if r is None:
                     return  # finished(): this rank is ending normally
+                if r == "signal":
+                    self._on_signal_bytes()
+                    continue
+                if r not in self.socks:
+                    continue
                 try:
-                    data = key.fileobj.recv(4096)
+                    data = key.fileobj.recv(65536)
+                except BlockingIOError:
+                    continue
                 except OSError:
                     data = b""
                 if data:
-                    self._pending[r] += data
-                    if not self._pending[r].endswith(b"\n"):
-                        continue
-                what = self._verdict(r, self._pending[r], closed=not data)
+                    *lines, self._pending[r] = (self._pending[r] + data).split(b"\n")
+                    for line in lines:
+                        self._on_line(r, line)
+                        if r not in self.socks:
+                            break
+                    continue
+                what = self._verdict(r, self._pending[r], closed=True)
                 if what == "":
                     self._forget(r)
                 elif what is not None:
@@ -178,10 +406,32 @@ class Watchdog:
                     what = self._left_early(r)
                     if what is not None:
                         self._exit(what)
+            if self.stall_s > 0:
+                self._check_stall()
+
+    def _on_line(self, r: int, line: bytes) -> None:
+        kind = line[:1]
+        if kind == _QUERY:
+            self._send(r, _ANSWER, json.dumps(_my_state(self.rank)))
+        elif kind == _ANSWER:
+            if self._inspection is not None:
+                try:
+                    self._inspection["answers"][r] = json.loads(line[1:])
+                except ValueError:
+                    pass
+        elif kind == _STALLED:
+            if self._inspection is None:
+                self._inspect()
+        else:
+            what = self._verdict(r, line, closed=False)
+            if what == "":
+                self._forget(r)
+            elif what is not None:
+                self._exit(what)
 
     def _verdict(self, r: int, message: bytes, closed: bool) -> str | None:
         """"" for a peer that said goodbye, the loss to report, or None (nothing decided yet)."""
-        kind, text = message[:1], message[1:].decode(errors="replace").strip()
+        kind, text = message[:1], message[1:].decode(errors="replace").strip().replace(_NEWLINE, "\n")
         if kind == _BYE:
             # Judged from the thread's loop after a grace period: a rank that left because of an
             # error this rank is about to hit as well (bad input, raised on every rank) is no culprit.
@@ -218,28 +468,79 @@ class Watchdog:
         self._selector.unregister(self.socks[r])
         self.socks.pop(r).close()
 
-    def _tell_all(self, kind: bytes, text: str = "") -> None:
-        line = kind + text.replace("\n", " ").encode() + b"\n"
-        for s in list(self.socks.values()):
+    # ------------------------------------------------------------- the stall inspector
+    def _check_stall(self) -> None:
+        now = time.monotonic()
+        if self._inspection is not None:
+            answers = self._inspection["answers"]
+            if all(r in answers for r in self.socks) or now >= self._inspection["deadline"]:
+                self._conclude()
+            return
+        since = _PROGRESS.waiting_since
+        if since is None or now - since < self.stall_s:
+            return
+        if self._reported_wait != since:
+            self._reported_wait = since
+            inspector = min([self.rank, *self.socks])
+            if inspector == self.rank:
+                self._inspect()
+            else:
+                self._send(inspector, _STALLED, "")
+                self._fallback_at = now + 5.0
+        elif self._fallback_at is not None and now >= self._fallback_at:
+            self._fallback_at = None  # the inspecting rank never reported: inspect from here
+            self._inspect()
+
+    def _inspect(self) -> None:
+        self._inspection = {"answers": {self.rank: _my_state(self.rank)}, "deadline": time.monotonic() + 2.0}
+        for r in list(self.socks):
+            self._send(r, _QUERY, "")
+
+    def _conclude(self) -> None:
+        answers = self._inspection["answers"]
+        self._inspection = None
+        states = {r: answers.get(r) for r in [self.rank, *self.socks]}
+        report = stall_report(states, self.stall_s, self._who_short, self._departed)
+        if report is not None:
+            self._exit(report)
+
+    def _who_short(self, r: int) -> str:
+        return f"pid {self.peers[r][3]} on {self.peers[r][2]}"
+
+    # ------------------------------------------------------------------ messages
+    def _send(self, r: int, kind: bytes, text: str = "") -> None:
+        s = self.socks.get(r)
+        if s is None:
+            return
+        with self._send_lock:
             try:
-                s.setblocking(True)
                 s.settimeout(1.0)
-                s.sendall(line)
+                s.sendall(kind + text.replace("\n", _NEWLINE).encode() + b"\n")
             except OSError:
                 pass
+            finally:
+                try:
+                    s.setblocking(False)
+                except OSError:
+                    pass
 
-    def _exit(self, what: str, detail: str = "") -> None:
+    def _tell_all(self, kind: bytes, text: str = "") -> None:
+        for r in list(self.socks):
+            self._send(r, kind, text)
+
+    def _exit(self, what: str, detail: str = "", code: int = EXIT_CODE) -> None:
         with self._lock:
             if self._done:
                 return
             self._done = True
-        msg = (f"portddp: {what}; rank {self.rank} exits now (code {EXIT_CODE}) rather than wait for collectives "
-               f"that can never finish{detail}\n")
+        head, _, rest = what.partition("\n")
+        msg = (f"portddp: {head}; rank {self.rank} exits now (code {code}) rather than wait for collectives "
+               f"that can never finish{detail}\n" + (rest + "\n" if rest else ""))
         try:
             os.write(2, msg.encode())
             self._tell_all(_STOPPED, what)  # the others then name the first failure, not this rank
         finally:
-            os._exit(EXIT_CODE)
+            os._exit(code)
 
     # ------------------------------------------------------------- this rank ends
     def _on_uncaught(self, kind, value, tb) -> None:
@@ -257,6 +558,10 @@ class Watchdog:
         self._tell_all(_FAILED, summary)
         sys.excepthook = self._excepthook
         self._excepthook(kind, value, tb)
+        if _is_c10d_timeout(value):
+            sys.stderr.write(f"portddp: rank {self.rank}: a c10d collective timed out (PORTDDP_TIMEOUT_S, or "
+                             "portddp.init(timeout_s=...), bounds it). The stall inspector (PORTDDP_STALL_S, "
+                             "below the timeout) names the rank that is behind; see its table above if it ran\n")
 
     def finished(self) -> None:
         """At exit: if nothing went wrong, say goodbye, so that the others let this rank go; then
@@ -273,16 +578,34 @@ class Watchdog:
             self._thread.join(timeout=2)
 
 
-def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: float | None = None) -> Watchdog:
+def _is_c10d_timeout(value) -> bool:
+    text = str(value)
+    return "Timed out" in text or "timed out" in text and ("gloo" in text.lower() or "c10d" in text.lower())
+
+
+def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: float | None = None,
+          stall_s: float | None = None) -> Watchdog:
     """Connect to every rank in `peers` ((address, port, hostname, pid) each, in rank order, from
-    `listen`) and watch them."""
+    `listen`) and watch them. `stall_s`: PORTDDP_STALL_S, else 80 % of PORTDDP_TIMEOUT_S (300 s)."""
     if interval_s is None:
         interval_s = float(os.environ.get("PORTDDP_WATCHDOG_S", 0.25))
     if not interval_s > 0:
         raise ValueError(f"PORTDDP_WATCHDOG_S={interval_s!r}: pass a polling interval in seconds > 0")
+    if "PORTDDP_STALL_S" in os.environ:
+        stall_s = float(os.environ["PORTDDP_STALL_S"])
+    elif stall_s is None:
+        stall_s = 0.8 * float(os.environ.get("PORTDDP_TIMEOUT_S", 300))
+    if not stall_s >= 0:
+        raise ValueError(f"PORTDDP_STALL_S={stall_s!r}: pass seconds >= 0 (0 turns the stall inspector off)")
     global _ACTIVE
-    _ACTIVE = Watchdog(rank, server, peers, interval_s)
+    _ACTIVE = Watchdog(rank, server, peers, interval_s, stall_s=stall_s)
     return _ACTIVE
+
+
+def reinstall_signal_handler() -> None:
+    """Take SIGTERM back (main thread) after a library took it, e.g. jax.distributed's preemption notifier."""
+    if _ACTIVE is not None:
+        _ACTIVE.install_signal_handler()
 
 
 def enabled() -> bool:

@@ -8,6 +8,7 @@ environment variables, where nothing but portddp.watchdog can stop them."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,9 +155,76 @@ def test_five_steps_save_resume_five_equals_ten_bitwise(two_jobs, impl, dtype):
     ("missing", r"no checkpoint at "),
 ])
 def test_a_torn_checkpoint_is_refused_on_every_rank_naming_the_intact_previous_one(two_jobs, kind, pattern):
-    import re  # noqa: PLC0415
-
     for rank in (0, 1):
         row = two_jobs[f"torn/{kind}", rank]
         assert row["message"] and re.search(pattern, row["message"]), row
         assert f"the previous checkpoint {row['prev']} is intact" in row["message"], row
+
+
+# ------------------------------------------------ stall inspector, collective names, SIGTERM
+def _rank_lines(output: str, n: int, pattern: str, code: int = EXIT_CODE) -> None:
+    """Every rank printed a line matching `pattern` that ends in its own 'rank r exits now (code ...)'."""
+    for r in range(n):
+        assert re.search(pattern + rf".*; rank {r} exits now \(code {code}\)", output), f"rank {r}:\n{output[-4000:]}"
+
+
+@pytest.mark.parametrize("case", ["late", "desync", "mismatch"])
+def test_stalls_and_mismatched_collectives_stop_every_rank_naming_who_is_where(case, tmp_path):
+    """PORTDDP_STALL_S=2. late: rank 1 sleeps 10 s before a collective the others wait in -- all stop
+    within ~5 s, every rank printing the same table with rank 1 behind. desync: rank 0 waits in
+    'iteration 3 bucket 0', rank 1 in 'checkpoint save'. mismatch: the ranks meet in one allgather under
+    different names -- an error on every rank at once, no stall needed."""
+    n = 3 if case == "late" else 2
+    start = time.monotonic()
+    proc = mpi.run(n, "tests.workers.stall", case, str(tmp_path), timeout=60, env={"PORTDDP_STALL_S": "2"})
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_CODE, output[-4000:]
+    assert "finished" not in proc.stdout, output[-4000:]
+    if case == "late":
+        assert elapsed < 30, elapsed  # ~2 s of stall + start-up; rank 1 alone would sleep 10 s
+        _rank_lines(output, n, r"stall: ranks 0, 2 waited \d+\.\d s \(over PORTDDP_STALL_S=2\).*rank 1 is behind: "
+                               r"rank 1's last collective is #2 'iteration 1 config'.*ranks 0, 2 are in #3 "
+                               r"'iteration 2 unused-count'")
+        assert len(re.findall(r"\n  1 +pid \d+ on .* 2 +#2 .iteration 1 config. +computing for \d+\.\d s <- behind", output)) == n, \
+            output[-4000:]
+    elif case == "desync":
+        _rank_lines(output, n, r"stall: .*the ranks issued different collectives: collective #3 is 'iteration 3 "
+                               r"bucket 0' on rank 0 but 'checkpoint save' on rank 1")
+    else:
+        for r in range(n):
+            assert re.search(r"the ranks met in different collectives -- rank 0: 'checkpoint save'; rank 1: "
+                             rf"'checkpoint load'.*(rank {r} exits now|this is rank {r}\))", output), output[-4000:]
+    pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(n)]
+    assert_no_orphans(pids)
+
+
+@pytest.mark.parametrize("target", ["rank", "mpirun"])
+def test_sigterm_stops_a_jax_distributed_job_within_seconds(target, tmp_path):
+    """jax.distributed's preemption notifier used to swallow SIGTERM (a job ran 189 s past it): now a
+    SIGTERM to one rank, or to mpirun (which forwards it), ends every rank within seconds, naming it."""
+    proc = subprocess.Popen([mpi.mpirun_path(), "-n", "2", sys.executable, "-m", "tests.workers.stall", "sigterm",
+                             str(tmp_path)], cwd=mpi.ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        time.sleep(2)  # inside the loop of collectives, past jax.distributed's start
+        os.kill(int((tmp_path / "pid.1").read_text()) if target == "rank" else proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job still ran 30 s after SIGTERM")
+        assert time.monotonic() - sent < 15
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0 and "finished" not in output, output[-3000:]
+    if target == "rank":  # mpirun itself stops forwarding once it sees a rank end: its line, or the banner
+        assert re.search(r"portddp: rank 1 \(pid \d+ on .*\) received SIGTERM; rank 1 exits now \(code 143\)",
+                         output), output[-3000:]
+    assert_no_orphans([int((tmp_path / f"pid.{r}").read_text()) for r in range(2)])

@@ -1,0 +1,61 @@
+"""The stall inspector and the collective checks (tests/test_reliability.py).
+
+    mpirun -n N python -m tests.workers.stall <case>
+
+late      rank 1 sleeps 10 s before a collective the others already wait in
+desync    rank 0 waits in "iteration 3 bucket 0" (on a duplicate communicator, as the MPI transport
+          does) while rank 1 waits in "checkpoint save": both wait forever, in different collectives
+mismatch  the ranks meet in one MPI allgather under different names (no stall: the objects would
+          be wrong)
+sigterm   JAX-distributed ranks that loop in collectives until SIGTERMed (the test sends it)
+
+The collectives are driven through portddp.launch.allgather_object (instrumented) and
+portddp.watchdog.collective/waiting directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import portddp
+from portddp import launch, watchdog
+
+CASE = sys.argv[1]
+WORLD = portddp.init(torch_distributed=False, jax_distributed=CASE == "sigterm")
+if len(sys.argv) > 2:
+    from pathlib import Path
+
+    Path(sys.argv[2], f"pid.{WORLD.rank}").write_text(str(os.getpid()))
+
+
+def main() -> None:
+    launch.allgather_object(WORLD.rank, name="iteration 1 config")
+    if CASE == "late":
+        if WORLD.rank == 1:
+            time.sleep(10)
+        launch.allgather_object(WORLD.rank, name="iteration 2 unused-count")
+    elif CASE == "desync":
+        dup = launch.mpi_comm().Dup()
+        if WORLD.rank == 0:
+            watchdog.collective("iteration 3 bucket 0")
+            import numpy as np  # noqa: PLC0415
+
+            with watchdog.waiting("iteration 3 bucket 0"):
+                dup.Allreduce(np.ones(4), np.empty(4))
+        else:
+            launch.allgather_object(WORLD.rank, name="checkpoint save")
+    elif CASE == "mismatch":
+        launch.allgather_object(WORLD.rank, name="checkpoint save" if WORLD.rank == 0 else "checkpoint load")
+    elif CASE == "sigterm":
+        import jax.numpy as jnp  # noqa: PLC0415
+
+        print(f"rank {WORLD.rank} ready", flush=True)
+        for i in range(10_000):
+            launch.allgather_object(float(jnp.sum(jnp.ones(4))), name=f"iteration {i}")
+            time.sleep(0.05)
+    print(f"rank {WORLD.rank} finished", flush=True)
+
+
+main()
