@@ -287,9 +287,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
     def _install_plan(self, plan: BucketPlan) -> None:
         """Allocate one flat buffer per bucket and a view of it per parameter."""
         self._plan = plan
-        self._bucket_buffers = [
-            torch.zeros(b.numel, dtype=getattr(torch, b.dtype), device=self.device) for b in plan.buckets
-        ]
+        self._bucket_buffers = [self._new_bucket_buffer(b.numel, getattr(torch, b.dtype)) for b in plan.buckets]
         self._bucket_of = [0] * len(self._params)
         self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
         for b, bucket in enumerate(plan.buckets):
@@ -301,6 +299,13 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
         self._bucket_sizes = [len(b.params) for b in plan.buckets]
+
+    def _new_bucket_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros, on the module's device; with transport="mpi" on CPU, inside the transport's
+        shared-memory window when it has one, so the all-reduce reads and writes it in place."""
+        if self.device.type == "cpu" and hasattr(self._comm, "empty"):
+            return self._comm.empty(numel, dtype).zero_()
+        return torch.zeros(numel, dtype=dtype, device=self.device)
 
     def _grad_bucket(self, b: int, buffer: torch.Tensor) -> GradBucket:
         params = self._plan.buckets[b].params
