@@ -177,7 +177,7 @@ class ShmAllreduce:
 
     # -- synchronisation -------------------------------------------------------------------------
     def _signal(self) -> None:
-        self._seq += 1
+        self._seq = (self._seq + 1) & 0x7FFFFFFF  # an int32 futex word: wraps, compared modulo 2**31
         _fence()  # my data and descriptor before my counter
         self._counters[self.local_rank][0] = self._seq
         if _futex is not None:
@@ -194,7 +194,7 @@ class ShmAllreduce:
             pause = 20e-6
             while True:
                 seen = int(counter[0])
-                if seen - target >= 0:
+                if (seen - target) & 0x7FFFFFFF < 0x40000000:  # seen >= target, modulo 2**31
                     break
                 if _futex is not None:
                     _futex(_SYS_FUTEX, self._counter_addr[j], _FUTEX_WAIT, seen, ctypes.byref(_WAIT_SLICE),

@@ -1,9 +1,13 @@
 """MPI transport: collectives on numpy buffers, run by a dedicated comm thread.
 
 A launch (`allreduce`, `broadcast`, ...) only puts the job on a queue and
-returns a `Handle`; the comm thread runs the blocking mpi4py collective (which
-releases the GIL), so the thread that launched it -- the autograd engine in
-PyTorch, an XLA callback in JAX -- is never blocked by communication. The queue
+returns a `Handle`; the comm thread runs the collective (releasing the GIL
+while it waits), so the thread that launched it -- the autograd engine in
+PyTorch, an XLA callback in JAX -- is never blocked by communication. Within a
+host `allreduce` runs on shared memory (portddp.shm; hierarchical across hosts;
+`empty()` hands out buffers it reduces without copying); the MPI collectives
+are nonblocking ones tested with sleeps in between, so a late peer costs a few
+percent of a core, not all of it (PORTDDP_MPI_WAIT, README: Performance). The queue
 is FIFO, which is what keeps every rank issuing collectives in the same order:
 buckets are launched in plan order, so they are reduced in plan order.
 

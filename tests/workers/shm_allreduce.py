@@ -94,6 +94,19 @@ def main():
         del view
         after = sum(b - a for a, b in t._shm._free)
         emit(rank, "arena-free", mid < free_before and after == free_before, f"{free_before} {mid} {after}")
+    # the int32 sequence counters wrap around
+    if t._shm:
+        t.barrier()
+        t._shm._seq = 0x7FFFFFFE
+        t._shm._counters[t._shm.local_rank][0] = t._shm._seq
+        t.barrier()
+        ok = True
+        for k in range(3):
+            w = t.empty(33, np.float64)
+            w[...] = rank + k
+            t.allreduce(w).wait(timeout=60)
+            ok &= bool(np.all(w == total - n + n * k))
+        emit(rank, "counter-wraps", ok and t._shm._seq < 100, str(t._shm._seq))
     t.barrier()
     sys.stdout.flush()
 
