@@ -152,13 +152,42 @@ def test_five_steps_save_resume_five_equals_ten_bitwise(two_jobs, impl, dtype):
 @pytest.mark.parametrize("kind,pattern", [
     ("truncated", r"is truncated: its header promises \d+ bytes of payload, the file holds \d+"),
     ("corrupt", r"is corrupt: the SHA-256 of its payload does not match its header"),
-    ("missing", r"no checkpoint at "),
 ])
 def test_a_torn_checkpoint_is_refused_on_every_rank_naming_the_intact_previous_one(two_jobs, kind, pattern):
     for rank in (0, 1):
         row = two_jobs[f"torn/{kind}", rank]
         assert row["message"] and re.search(pattern, row["message"]), row
         assert f"the previous checkpoint {row['prev']} is intact" in row["message"], row
+
+
+def test_a_missing_checkpoint_falls_back_to_the_intact_previous_one_on_every_rank(two_jobs):
+    for rank in (0, 1):
+        row = two_jobs["torn/missing", rank]
+        assert row["message"] is None and row["used"] == row["prev"] and row["step"] == 5, row
+
+
+def test_a_save_killed_between_its_renames_resumes_from_the_newest_intact_file(two_jobs):
+    """<p> moved to <p>.prev (step 5), the finished temporary file (step 7) not renamed: load(<p>) takes
+    the temporary file on every rank."""
+    for rank in (0, 1):
+        row = two_jobs["interrupted", rank]
+        assert Path(row["used"]).name == ".interrupted.ckpt.tmp-999999" and row["step"] == 7, row
+
+
+@pytest.mark.parametrize("impl", ("torch-mpi", "jax-hooked"))
+def test_rank0_only_save_writes_without_a_hang_and_restores_rng_on_rank_0_only(two_jobs, impl):
+    """`if rank == 0: checkpoint.save(...)` (native DDP's idiom): written while the others train on."""
+    for rank in (0, 1):
+        row = two_jobs[f"rank0/{impl}", rank]
+        assert row["step"] == 2 and row["rng_restored"] == (rank == 0), row
+
+
+def test_a_failed_save_raises_on_every_rank_and_leaves_no_temporary_file(two_jobs):
+    """Rank 0's disk full (a file-size limit): CheckpointError everywhere; the directory stays empty."""
+    for rank in (0, 1):
+        row = two_jobs["failed_save", rank]
+        assert row["message"] and "could not write checkpoint" in row["message"], row
+        assert row["left"] == [], row
 
 
 # ------------------------------------------------ stall inspector, collective names, SIGTERM

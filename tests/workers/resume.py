@@ -27,7 +27,7 @@ import optax  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from portddp import checkpoint  # noqa: E402
+from portddp import checkpoint, launch  # noqa: E402
 from portddp.data import regression_batch  # noqa: E402
 from tests.workers import common  # noqa: E402
 
@@ -72,8 +72,8 @@ class TorchCase:
     def digest(self):
         return digest(p.detach().numpy() for p in self.model.parameters())
 
-    def save(self, path, step):
-        checkpoint.save(path, self.ddp, step=step, optimizer=self.opt)
+    def save(self, path, step, collective=True):
+        checkpoint.save(path, self.ddp, step=step, optimizer=self.opt, collective=collective)
 
     def load(self, path):
         return checkpoint.load(path, self.ddp, optimizer=self.opt).step
@@ -116,8 +116,8 @@ class JaxCase:
     def digest(self):
         return digest(np.asarray(x) for x in jax.tree.leaves(self.params))
 
-    def save(self, path, step):
-        checkpoint.save(path, self.ddp, step=step, params=self.params, opt_state=self.opt_state)
+    def save(self, path, step, collective=True):
+        checkpoint.save(path, self.ddp, step=step, params=self.params, opt_state=self.opt_state, collective=collective)
 
     def load(self, path):
         ck = checkpoint.load(path, self.ddp)
@@ -130,7 +130,8 @@ def make(impl, dtype, seed=0):
 
 
 def torn_files(path: Path) -> None:
-    """A truncated and a corrupted copy: refused on every rank, naming the file and the previous one."""
+    """A truncated and a corrupted copy: refused on every rank, naming the file and the previous one.
+    A missing one beside an intact .prev (a save killed between its renames): .prev is loaded."""
     case = make("torch-c10d", "float32")
     for kind in ("truncated", "corrupt", "missing"):
         bad = OUT / f"torn-{kind}"
@@ -144,13 +145,67 @@ def torn_files(path: Path) -> None:
                 bad.write_bytes(raw[:-10] + bytes(b ^ 0xFF for b in raw[-10:]))
             else:
                 bad.unlink()
-        checkpoint._allgather(case.ddp, None)  # the files exist before anyone reads them
+        launch.allgather_object(None)  # the files exist before anyone reads them
         try:
-            case.load(bad)
-            message = None
+            ck = checkpoint.load(bad, case.ddp, optimizer=case.opt)
+            message, used, step = None, str(ck.path), ck.step
         except checkpoint.CheckpointError as e:
-            message = str(e)
-        common.report(WORLD.rank, f"torn/{kind}", message=message, prev=str(_prev(bad)))
+            message, used, step = str(e), None, None
+        common.report(WORLD.rank, f"torn/{kind}", message=message, prev=str(_prev(bad)), used=used, step=step)
+
+
+def interrupted_save(path: Path) -> None:
+    """Killed between the two renames: <p> already moved to <p>.prev (step 5), the finished temporary
+    file (step 7) not yet renamed to <p>. load(<p>) takes the temporary file, on every rank."""
+    case = make("torch-c10d", "float32")
+    case.load(path)
+    newer = OUT / "newer.ckpt"
+    case.save(newer, 7)
+    target = OUT / "interrupted.ckpt"
+    if WORLD.rank == 0:
+        shutil.copy(path, _prev(target))
+        shutil.copy(newer, target.with_name(f".{target.name}.tmp-999999"))
+    launch.allgather_object(None)
+    ck = checkpoint.load(target, case.ddp, optimizer=case.opt)
+    common.report(WORLD.rank, "interrupted", used=str(ck.path), step=ck.step)
+
+
+def rank0_only(impl: str) -> None:
+    """Native DDP's idiom, `if rank == 0: save(...)`: no hang, the file is written; load on every rank
+    restores the random state on rank 0 only."""
+    case = make(impl, "float32")
+    case.train(0, 2)
+    path = OUT / f"rank0-{impl}.ckpt"
+    if WORLD.rank == 0:
+        case.save(path, 2, collective=False)
+    case.train(2, 3)  # the others went on meanwhile
+    case = make(impl, "float32", seed=9)
+    ck = checkpoint.load(path, case.ddp, **({"optimizer": case.opt} if isinstance(case, TorchCase) else {}))
+    common.report(WORLD.rank, f"rank0/{impl}", step=ck.step, rng_restored=ck.rng_restored)
+
+
+def failed_save(path: Path) -> None:
+    """Rank 0's disk is full (a file-size limit there): every rank raises, no temporary file is left."""
+    import resource  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    case = make("torch-c10d", "float32")
+    target = OUT / "full" / "ck"
+    target.parent.mkdir(exist_ok=True)
+    if WORLD.rank == 0:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+    try:
+        case.save(target, 1)
+        message = None
+    except checkpoint.CheckpointError as e:
+        message = str(e)
+    finally:
+        if WORLD.rank == 0:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    launch.allgather_object(None)
+    common.report(WORLD.rank, "failed_save", message=message, left=sorted(p.name for p in target.parent.iterdir()))
 
 
 def _prev(p: Path) -> Path:
@@ -178,6 +233,10 @@ def main():
                 common.report(WORLD.rank, f"resumed/{name}", digest=resumed.digest(), start=start)
     if PHASE == "second":
         torn_files(OUT / "torch-c10d-float32.ckpt")
+        interrupted_save(OUT / "torch-c10d-float32.ckpt")
+        for impl in ("torch-mpi", "jax-hooked"):
+            rank0_only(impl)
+        failed_save(OUT / "torch-c10d-float32.ckpt")
 
 
 if __name__ == "__main__":
