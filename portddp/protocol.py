@@ -12,12 +12,31 @@ iteration 2, once     Bcast(int64[n] ready order)          rebuild the plan from
 each iteration        Allreduce per bucket, in plan order  the mean gradients
                       Allreduce(int32[n] "used" counts)    who produced which gradient
                       (check_finite: int32[2n], the second half counting NaN/Inf gradients;
-                      if any, allgather(names) of each rank's non-finite parameters)
+                      if any, allgather(names) of each rank's non-finite parameters),
+                      then int32[world]: each rank's iteration number in its own slot
+first iteration       allgather(comm hook name or None)     the same hook on every rank
+before a forward      Bcast(buffers + int64[3] header)      rank 0's buffers (PyTorch; Flax NNX: its
+                      BatchStat etc.) and who sent them: (iterations done, synchronises?, syncs so far)
 
 Specs are (name, shape, dtype) in registration order, in the canonical
 (PyTorch) layout; a bucket's flat buffer holds its parameters back to back in
 the plan's order. This module holds the framework-free checks of that
 exchange, so both sides fail with the same words.
+
+Checkpoints (portddp/checkpoint.py) add, over the launcher's channel:
+
+checkpoint.save(collective=True)  allgather(RNG state)   "checkpoint save"
+                                  allgather(write error) "checkpoint save: written"
+checkpoint.load                   allgather((error, file, step)) "checkpoint load"
+(checkpoint.save without collective=True issues none: rank 0 may save alone.)
+
+Every collective is announced to portddp.watchdog's stall inspector with
+`watchdog.collective(name)`, its waits wrapped in `watchdog.waiting(name)`;
+names read "iteration <n> <what>" inside an iteration (what: "bucket <k>",
+"buffer broadcast", "unused-count", ...), so that the inspector can say which
+collective each rank is in, and the first one whose name differs across ranks.
+Named launcher-channel allgathers (`launch.allgather_object(obj, name=...)`)
+also compare the names across ranks and raise on a mismatch.
 
 The config exchange runs over the launcher's own channel (MPI's COMM_WORLD
 under mpirun, c10d under torchrun), not over the transport under test: two
@@ -28,7 +47,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["check_same_config", "check_same_specs", "nonfinite_error", "unused_parameters_error"]
+__all__ = ["buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_hook", "check_same_iteration",
+           "check_same_specs", "nonfinite_error", "unused_parameters_error"]
 
 
 def check_same_config(everyone: Sequence[dict]) -> None:
@@ -96,3 +116,60 @@ def nonfinite_error(everyone: Sequence[Sequence[str]], rank: int) -> FloatingPoi
         f"non-finite gradients (NaN or Inf) found by check_finite -- {where} (this is rank {rank}). .grad was "
         "left as it was; look at the loss and the inputs of those ranks, lower the learning rate, or skip the step"
     )
+
+
+def check_same_iteration(iterations: Sequence[int], rank: int) -> None:
+    """Raise on every rank if the ranks are finishing different synchronised iterations.
+
+    `iterations` is each rank's iteration number, exchanged in the per-iteration "used" collective:
+    a rank that skipped a step (or ran an extra one) would otherwise average its step k with
+    the others' step k+1 from then on, silently."""
+    if len(set(iterations)) <= 1:
+        return
+    where = ", ".join(f"rank {r} at {n}" for r, n in enumerate(iterations))
+    raise RuntimeError(
+        f"ranks are averaging different iterations ({where}; this is rank {rank}): some rank skipped a "
+        "synchronised step or ran an extra one (a `continue` before backward, a grad call on some ranks only), "
+        "so its gradients were being averaged with another step's. Every rank must run every synchronised "
+        "step; take local steps under no_sync() (JAX: sync=False) and give ranks with fewer batches "
+        "join() (JAX: ddp.uneven())")
+
+
+def check_same_hook(everyone: Sequence[str | None], rank: int) -> None:
+    """Raise on every rank if the comm hooks registered differ across ranks (checked once, at the
+    first synchronised iteration, before any bucket is reduced)."""
+    if len(set(everyone)) <= 1:
+        return
+    where = ", ".join(f"rank {r}: {h or 'none'}" for r, h in enumerate(everyone))
+    raise RuntimeError(
+        f"comm hooks differ across ranks ({where}; this is rank {rank}): every rank must call "
+        "register_comm_hook with the same hook before the first backward (a hook registered on some ranks "
+        "only reduces buckets of other sizes than the others', which MPI and Gloo cannot pair)")
+
+
+def buffer_sync_header(iterations: int, synchronises: bool, syncs: int) -> list[int]:
+    """What a buffer broadcast carries besides the buffers: the sender's state."""
+    return [int(iterations), int(synchronises), int(syncs)]
+
+
+def check_buffer_sync_header(theirs: Sequence[int], mine: Sequence[int], src: int, rank: int) -> None:
+    """Raise if the buffers just received were sent for another forward than this rank's.
+
+    A forward through the DDP wrapper on some ranks only (rank-0-only evaluation) broadcasts
+    buffers the others never receive in that forward: with MPI the broadcast completes at once and
+    every later forward of the others would start from buffers one forward old, silently."""
+    if list(theirs) == list(mine):
+        return
+    it_src, sync_src, n_src = theirs
+    it_me, sync_me, n_me = mine
+
+    def forward(it, sync, n):
+        return (f"buffer sync #{n + 1}, for a forward {'that synchronises gradients' if sync else 'without gradient sync (no_grad/eval/no_sync)'}"
+                f" after {it} synchronised iterations")
+
+    raise RuntimeError(
+        f"rank {src} broadcast its buffers in {forward(it_src, sync_src, n_src)}, but this rank ({rank}) is in "
+        f"{forward(it_me, sync_me, n_me)}: a forward of the DistributedDataParallel wrapper ran on some ranks only "
+        "(e.g. `if rank == 0: ddp(val_batch)`). Every forward of the wrapper syncs buffers and is collective: "
+        "evaluate on one rank through ddp.module(...), or evaluate on every rank")
+
