@@ -7,6 +7,7 @@ two hosts (root only): the hierarchical path."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -55,7 +56,7 @@ def test_hierarchical_on_two_emulated_hosts():
     proc = subprocess.run([sys.executable, "-m", "portddp.cluster", "-n", "4", "--hosts", "2", "--link", "2gbit",
                            "--", sys.executable, "-m", "tests.workers.shm_allreduce"],
                           cwd=mpi.ROOT, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PORTDDP_MPI_ALLREDUCE": "shm", "PYTHONUNBUFFERED": "1"})
+                          env={**os.environ, "PORTDDP_MPI_ALLREDUCE": "shm", "PYTHONUNBUFFERED": "1"})
     _check(proc, 4, "shm", hosts=2)
 
 
@@ -81,5 +82,5 @@ os.write(1, f"TORCH_SHM_OK {c.rank}\\n".encode())
 """
     proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code], cwd=mpi.ROOT,
                           capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "PORTDDP_MPI_ALLREDUCE": "shm"})
+                          env={**os.environ, "PORTDDP_MPI_ALLREDUCE": "shm"})
     assert proc.stdout.count("TORCH_SHM_OK") == 2, proc.stdout + proc.stderr[-3000:]
