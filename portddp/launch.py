@@ -367,7 +367,7 @@ def _init_jax(w: World, timeout_s: float) -> None:
                                initialization_timeout=int(timeout_s))
     from portddp import watchdog  # noqa: PLC0415
 
-    watchdog.reinstall_signal_handler()
+    watchdog.reclaim()  # its goodbye before jax's shutdown barrier at exit; SIGTERM back
 
 
 def _init_c10d(w: World, backend: str, timeout_s: float) -> None:

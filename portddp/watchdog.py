@@ -602,9 +602,14 @@ def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: floa
     return _ACTIVE
 
 
-def reinstall_signal_handler() -> None:
-    """Take SIGTERM back (main thread) after a library took it, e.g. jax.distributed's preemption notifier."""
+def reclaim() -> None:
+    """After a library started that registers exit handlers and signal handlers of its own (e.g.
+    jax.distributed: an atexit shutdown that waits for every process, a SIGTERM preemption
+    notifier): say goodbye before its exit handler blocks (atexit runs the last registered first),
+    and take SIGTERM back (main thread)."""
     if _ACTIVE is not None:
+        atexit.unregister(_ACTIVE.finished)
+        atexit.register(_ACTIVE.finished)
         _ACTIVE.install_signal_handler()
 
 
