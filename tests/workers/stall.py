@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import portddp
 from portddp import launch, watchdog
@@ -25,8 +26,6 @@ from portddp import launch, watchdog
 CASE = sys.argv[1]
 WORLD = portddp.init(torch_distributed=False, jax_distributed=CASE == "sigterm")
 if len(sys.argv) > 2:
-    from pathlib import Path
-
     Path(sys.argv[2], f"pid.{WORLD.rank}").write_text(str(os.getpid()))
 
 
@@ -47,7 +46,11 @@ def main() -> None:
         else:
             launch.allgather_object(WORLD.rank, name="checkpoint save")
     elif CASE == "mismatch":
-        launch.allgather_object(WORLD.rank, name="checkpoint save" if WORLD.rank == 0 else "checkpoint load")
+        try:
+            launch.allgather_object(WORLD.rank, name="checkpoint save" if WORLD.rank == 0 else "checkpoint load")
+        except RuntimeError as e:
+            Path(sys.argv[2], f"error.{WORLD.rank}").write_text(str(e))  # mpirun may interleave printed lines
+            return
     elif CASE == "sigterm":
         import jax.numpy as jnp  # noqa: PLC0415
 
