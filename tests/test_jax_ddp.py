@@ -106,7 +106,7 @@ BAD = [
     ("structure_mismatch", r"rank 0 has 3 leaves, rank \d has 4; the first one only rank \d has is \['extra'\]"),
     ("broadcast_mismatch", r"leaf #0 is \['dec'\]\['w'\] \(4, 2\) float32 on rank 0 but \['dec'\]\['w'\] \(5, 2\)"),
     ("unknown_strategy", r"unknown strategy 'telepathy': choose one of \('hooked', 'compiled', 'pmap'\)"),
-    ("unknown_transport", r"unknown transport 'c10d': portddp\.jax supports \('mpi',\)"),
+    ("unknown_transport", r"unknown transport 'c10d': choose one of \('mpi',\)"),
     ("bad_cap", r"bucket_cap_mb=-2 is not a valid bucket size"),
     ("bad_order", r"order must list every parameter name exactly once; .*missing: \[.*\['dec'\]\['w'\]"),
     ("pmap_too_many_devices", r"strategy='pmap' asked for 4 devices but this process has 1: set "

@@ -1,12 +1,15 @@
 """The strategies that leave scheduling to XLA: "compiled" and "pmap".
 
-Both put one psum per bucket (DistributedDataParallel.psum_buckets: flatten,
-divide by the world size, sum, split) inside the compiled step and let XLA
-decide when each runs. "compiled" maps over all processes with `shard_map`
-(jax.distributed + CPU collectives); "pmap" maps over this process's devices.
-What XLA actually did -- how many all-reduces survive, where they sit in the
-schedule -- is read back from the optimised HLO (`hlo_facts`), because XLA:CPU
-may combine the buckets into one all-reduce at the end of the backward pass.
+Pure functions of (strategy, bucket plan, layout, step function): they return
+the compiled step and, once it has been compiled, what XLA made of it; they
+never see the DistributedDataParallel object. Both put one psum per bucket
+(`psum_buckets`: flatten, divide by the world size, sum, split) inside the
+compiled step and let XLA decide when each runs. "compiled" maps over all
+processes with `shard_map` (jax.distributed + CPU collectives); "pmap" maps over
+this process's devices. What XLA actually did -- how many all-reduces survive,
+where they sit in the schedule -- is read back from the optimised HLO
+(`hlo_facts`), because XLA:CPU may combine the buckets into one all-reduce at
+the end of the backward pass.
 
 Uneven inputs (DistributedDataParallel.uneven, "compiled"): while some rank has
 run out, every process runs a variant of the step that takes one more input,
@@ -18,6 +21,8 @@ one program, the same collectives, on every process.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +30,36 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["DATA_AXIS", "make_step", "make_reduce", "hlo_facts", "pmap_world"]
+from portddp.buckets import BucketPlan
+from portddp.jax.layout import Layout
+
+__all__ = ["DATA_AXIS", "Step", "hlo_facts", "make_reduce", "make_step", "pmap_world", "psum_buckets"]
 
 DATA_AXIS = "data"
 """The one axis gradients are averaged over: bound by the process mesh
 (compiled) or by jax.pmap (pmap), and named by every psum in psum_buckets."""
+
+
+class Step(NamedTuple):
+    """A compiled step and what XLA made of it (`hlo_facts`, filled when it is first compiled)."""
+
+    run: Callable
+    hlo: dict
+
+
+def psum_buckets(plan: BucketPlan, layout: Layout, leaves: list, axis_name: str, inv_world: float) -> list:
+    """Inside a compiled step: each bucket flattened, divided by the world size, summed with one
+    psum, and split back. Takes and returns the pytree's leaf list (only JAX processes take part,
+    so the pytree's own layout will do)."""
+    out = list(leaves)
+    for bucket in plan.buckets:
+        flat = jnp.concatenate([leaves[layout.leaf_of[k]].reshape(-1) for k in bucket.params])
+        # Divide before the sum, as the hooked strategy and PyTorch do.
+        flat = jax.lax.psum(flat * jnp.asarray(inv_world, flat.dtype), axis_name)
+        for k, off in zip(bucket.params, bucket.offsets):
+            i = layout.leaf_of[k]
+            out[i] = flat[off:off + plan.specs[k].numel].reshape(layout.leaf_shapes[i])
+    return out
 
 
 def pmap_world(requested: int | None) -> int:
@@ -71,9 +101,12 @@ def _split_for_devices(batch, n: int):
     return jax.tree.map(split, batch)
 
 
-def _reduced(ddp, grads):
-    leaves, treedef = jax.tree.flatten(grads)
-    return jax.tree.unflatten(treedef, ddp.psum_buckets(leaves, DATA_AXIS))
+def _reducer(plan: BucketPlan, layout: Layout, world: int):
+    def reduced(grads):
+        leaves, treedef = jax.tree.flatten(grads)
+        return jax.tree.unflatten(treedef, psum_buckets(plan, layout, leaves, DATA_AXIS, 1.0 / world))
+
+    return reduced
 
 
 def _key_impls(tree) -> tuple:
@@ -94,19 +127,20 @@ def _data_as_keys(tree, impls: tuple):
                                         for x, i in zip(leaves, impls)])
 
 
-def make_step(ddp, fn):
-    """`(static, params, state, batch) -> (loss, aux, new_state, mean grads)` with XLA
+def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, broadcast_buffers: bool) -> Step:
+    """`(static, params, state, batch, scale=None) -> (loss, aux, new_state, mean grads)` with XLA
     scheduling the bucket psums, for `fn(static, params, state, batch) -> (loss, (aux, new_state))`
     (see DistributedDataParallel._grad_step). `state` is per rank: "compiled" passes it as
     one row per process, and with broadcast_buffers its buffers (`state[0]`) become rank 0's
     by an all_gather inside the program; "pmap" hands every device the process's state and
     keeps the first device's result (one process: its buffers are rank 0's already)."""
+    reduced, hlo = _reducer(plan, layout, world), {}
 
     def per_shard(static, impls, params, state, batch, scale=None):
-        if ddp.strategy == "compiled":
+        if strategy == "compiled":
             state = jax.tree.map(lambda x: x[0], state)  # this process's row
         state = _data_as_keys(state, impls)
-        if ddp.strategy == "compiled" and state and ddp.broadcast_buffers:
+        if strategy == "compiled" and state and broadcast_buffers:
             state = (jax.tree.map(lambda x: jax.lax.all_gather(x, DATA_AXIS)[0], state[0]), *state[1:])
         (loss, (aux, new_state)), grads = jax.value_and_grad(
             lambda p: fn(static, p, state, batch), has_aux=True)(params)
@@ -116,14 +150,14 @@ def make_step(ddp, fn):
         new_state = _keys_as_data(new_state, impls)
         if scale is not None:  # ddp.uneven(): a joined rank (scale 0) adds zeros, whatever its forward gave
             grads = jax.tree.map(lambda g: jnp.where(scale[0] > 0, g, jnp.zeros_like(g)), grads)
-        if ddp.strategy == "pmap":
-            return jax.lax.pmean(loss, DATA_AXIS), aux, new_state, _reduced(ddp, grads)
+        if strategy == "pmap":
+            return jax.lax.pmean(loss, DATA_AXIS), aux, new_state, reduced(grads)
         rows = jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, aux, new_state))
-        return (*rows, _reduced(ddp, grads))
+        return (*rows, reduced(grads))
 
     programs: dict = {}  # per (static, impls[, weighted]): the compiled program
 
-    if ddp.strategy == "pmap":
+    if strategy == "pmap":
         def step(static, params, state, batch, scale=None):  # noqa: ARG001 -- one process never joins
             state = () if state is None else state
             impls = _key_impls(state)
@@ -133,18 +167,18 @@ def make_step(ddp, fn):
                 # argument that is an empty pytree (the state of a plain pytree's step).
                 fn_ = programs[static, impls] = jax.pmap(
                     lambda ps, b: per_shard(static, impls, *ps, b), axis_name=DATA_AXIS,
-                    in_axes=(None, 0), devices=jax.local_devices()[: ddp.world_size])
-            split = _split_for_devices(batch, ddp.world_size)
+                    in_axes=(None, 0), devices=jax.local_devices()[:world])
+            split = _split_for_devices(batch, world)
             state_data = _keys_as_data(state, impls)
-            if not ddp._hlo:
-                ddp._hlo = hlo_facts(fn_.lower((params, state_data), split).compile().as_text())
+            if not hlo:
+                hlo.update(hlo_facts(fn_.lower((params, state_data), split).compile().as_text()))
             loss, aux, new_state, grads = fn_((params, state_data), split)
             first = lambda tree: jax.tree.map(lambda g: g[0], tree)  # noqa: E731
             return loss[0], first(aux), _data_as_keys(first(new_state), impls), first(grads)
 
-        return step
+        return Step(step, hlo)
 
-    devices, mine = process_devices(ddp.world_size)
+    devices, mine = process_devices(world)
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
 
@@ -171,14 +205,14 @@ def make_step(ddp, fn):
         args = (gparams, gstate, gbatch)
         if weighted:
             args += (_process_rows(sharded, np.asarray([scale], np.float32), "scale"),)
-        if not ddp._hlo:
-            ddp._hlo = hlo_facts(fn_.lower(*args).compile().as_text())
+        if not hlo:
+            hlo.update(hlo_facts(fn_.lower(*args).compile().as_text()))
         loss, aux, new_state, grads = fn_(*args)
         mine_ = lambda tree: jax.tree.map(lambda g: g.addressable_data(0)[0], tree)  # noqa: E731
         return (loss.addressable_data(0)[0], mine_(aux), _data_as_keys(mine_(new_state), impls),
                 jax.tree.map(lambda g: g.addressable_data(0), grads))
 
-    return step
+    return Step(step, hlo)
 
 
 def _process_rows(sharding, x, what: str):
@@ -195,20 +229,21 @@ def _process_rows(sharding, x, what: str):
     return jax.make_array_from_process_local_data(sharding, x)
 
 
-def make_reduce(ddp):
+def make_reduce(strategy: str, plan: BucketPlan, layout: Layout, world: int):
     """grads -> mean over ranks, bucket by bucket, as a compiled step."""
-    if ddp.strategy == "pmap":
+    reduced = _reducer(plan, layout, world)
+    if strategy == "pmap":
         # One process: every device already holds the same accumulated gradients.
-        n = ddp.world_size
-        fn = jax.pmap(lambda g: _reduced(ddp, g), axis_name=DATA_AXIS, devices=jax.local_devices()[:n])
+        n = world
+        fn = jax.pmap(reduced, axis_name=DATA_AXIS, devices=jax.local_devices()[:n])
         return lambda grads: jax.tree.map(lambda g: g[0], fn(jax.tree.map(
             lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), grads)))
 
-    devices, _ = process_devices(ddp.world_size)
+    devices, _ = process_devices(world)
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
     sharded = NamedSharding(mesh, P(DATA_AXIS))
     # Each process's gradients are one row of a (world, ...) array.
-    fn = jax.jit(jax.shard_map(lambda g: _reduced(ddp, jax.tree.map(lambda x: x[0], g)), mesh=mesh,
+    fn = jax.jit(jax.shard_map(lambda g: reduced(jax.tree.map(lambda x: x[0], g)), mesh=mesh,
                                in_specs=P(DATA_AXIS), out_specs=P(), check_vma=False))
 
     def reduce(grads):

@@ -1,82 +1,73 @@
 """DistributedDataParallel for JAX parameter pytrees: the DDP design, functionally.
 
-Mirrors portddp/torch/ddp.py. What JAX forces to differ:
+Mirrors portddp/torch/ddp.py: the same sections in the same order, the same
+method names for the same roles. What JAX forces to differ:
 
-* There are no per-parameter autograd hooks. Instead each bucket's parameters
-  pass through a `jax.custom_vjp` identity (a "tap") on their way into the
-  loss. Its backward rule receives the bucket's gradients the moment XLA has
-  produced them and hands them to the host with `io_callback`: the callback
+* No per-parameter autograd hooks. Each bucket's parameters pass through a
+  `jax.custom_vjp` identity (a "tap", `_make_tap`) on their way into the loss.
+  Its backward rule receives the bucket's gradients the moment XLA has produced
+  them and hands them to the host with `io_callback` (portddp/jax/taps.py): the callback
   packs them (divided by the world size) into the bucket's flat buffer and
-  launches the all-reduce on the MPI transport's comm thread, while XLA goes on
-  with the rest of the backward pass. A bucket arrives whole, so "ready" needs
-  no per-parameter counting.
-* Gradients are values, not `.grad` fields: `value_and_grad` returns them after
-  waiting for every bucket, in the input pytree structure.
-* Every parameter gets a gradient, zeros if the loss does not use it (as
-  `jax.grad` gives), so there is no `find_unused_parameters`. JAX never runs
-  the backward rule of a tap whose outputs the loss ignores; such buckets are
-  found when the step is traced, packed as zeros when the iteration opens and
-  launched in plan order like any other, so every rank issues the same
-  all-reduces even when a leaf is used on some ranks only.
-  `sync=False` plays the role of `no_sync()`.
-* No `gradient_as_bucket_view` (gradients are fresh arrays, there is no
-  `.grad` to alias). Buffers exist only for Flax NNX models
-  (`nnx_value_and_grad`, portddp/jax/flax_nnx.py): every non-Param state that
-  is not RNG state (BatchNorm's BatchStat, plain arrays); with
-  `broadcast_buffers=True` rank 0's are broadcast before each synchronised
-  forward, as portddp.torch does. RNG state stays per rank, as torch's
-  generators do.
-* No check that the model changed after wrapping (portddp.torch's forward has
-  one): the pytree comes with every call, and a different structure, shape
-  or dtype is refused where it is flattened.
-* `check_finite` needs strategy="hooked": only there do gradients pass
-  through the host before they are reduced.
-* Only strategy="hooked" can be traced into the caller's own `jax.jit`
-  (its collectives are host callbacks); "compiled" and "pmap" are compiled
-  programs over several devices of their own and say so if called under jit.
+  launches the all-reduce on the MPI transport's comm thread while XLA goes on
+  with the backward pass. A bucket arrives whole: "ready" needs no counting.
+* Gradients are values, not `.grad` fields: grad_fn returns them, in the input
+  pytree's structure, after waiting for every bucket (`_write_grads`). The
+  pytree <-> bucket layout lives in portddp/jax/layout.py.
+* Every parameter gets a gradient (zeros if the loss does not use it, as
+  `jax.grad` gives), so there is no `find_unused_parameters`. JAX never runs the
+  backward rule of a tap whose outputs the loss ignores; such buckets are found
+  when the step is traced and launched as zeros in plan order, so every rank
+  issues the same all-reduces. `sync=False` plays the role of `no_sync()`.
+* No `gradient_as_bucket_view` (gradients are fresh arrays). Buffers exist only
+  for Flax NNX models (`nnx_value_and_grad`, portddp/jax/flax_nnx.py); with
+  `broadcast_buffers=True` rank 0's replace each rank's before every
+  synchronised forward. RNG state stays per rank, as torch's generators do.
+* No check that the model changed after wrapping: the pytree comes with every
+  call, and another structure, shape or dtype is refused where it is flattened.
+* `check_finite` needs strategy="hooked": only there do gradients pass the host.
+* Only strategy="hooked" can be traced into the caller's own `jax.jit` (or
+  `lax.scan`): its collectives are host callbacks. Not into `jax.vmap`, which
+  would run them once per batch element; "compiled" and "pmap" are programs
+  over devices of their own (portddp/jax/compiled.py) and refuse any trace.
 * Uneven inputs: no `join()` context manager (there is no forward to hook a
   shadow into). `for batch in ddp.uneven(batches)` agrees before each step on
-  which ranks still have a batch and yields `ddp.JOINED` to those that ran
-  out; their grad_fn issues the step's collectives with zero gradients and
-  returns the same mean, so every rank applies the same update and nothing
-  needs broadcasting at the end (see `uneven`).
-* portddp.watchdog hears of every synchronised iteration (`step_started`,
-  `step_finished`): hooked, from the host callbacks that open and finish it
-  (so inside the caller's jit too) and in `reduce`; compiled and pmap, around
-  the XLA program; each `uneven()` agreement counts as one. A rank whose loop
-  ends early therefore stops the others, naming it, instead of hanging them.
+  which ranks still have a batch and yields `ddp.JOINED` to those that ran out;
+  their grad_fn issues the step's collectives with zero gradients
+  (`_shadow_iteration`) and returns the same mean, so every rank applies the
+  same update and nothing needs broadcasting at the end.
+* portddp.watchdog hears of every synchronised iteration: hooked, from the host
+  callbacks that open and finish it (so inside the caller's jit too); compiled
+  and pmap, around the XLA program; each `uneven()` agreement counts as one.
 
-strategy="hooked" is the above. strategy="compiled" and strategy="pmap" leave
-the scheduling to XLA: one psum per bucket inside the compiled step
-(portddp/jax/compiled.py), over all processes (shard_map) or over this
-process's devices (pmap).
+strategy="compiled" and "pmap" leave the scheduling to XLA: one psum per bucket
+inside the compiled step, over all processes (shard_map) or over this
+process's devices (pmap); `self._comm` is then the MPI comm (construction
+checks, agreements) or, for pmap, a LocalComm (portddp/jax/comm.py).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
-from jax.experimental import io_callback
 
 from portddp import launch, watchdog
-from portddp.autotune import CapTuner
-from portddp.buckets import BucketPlan, ParamSpec, cap_bytes, plan_buckets, rebuild_plan
-from portddp.jax import compiled, flax_nnx
+from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
+from portddp.config import DDPConfig
+from portddp.jax import compiled, flax_nnx, taps
+from portddp.jax.comm import TRANSPORTS, make_comm
+from portddp.jax.layout import Canonical, Layout
 from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
 from portddp.timeline import BucketEvents, IterationEvents
-from portddp.transport import get_transport
+from portddp.transport import Handle
 
 __all__ = ["Canonical", "DistributedDataParallel", "GradBucket", "JOINED", "Joined", "STRATEGIES"]
 
 STRATEGIES = ("hooked", "compiled", "pmap")
-TRANSPORTS = ("mpi",)
 _now = time.perf_counter_ns
 
 
@@ -105,17 +96,17 @@ jax.tree_util.register_pytree_node(Joined, lambda _j: ((), None), lambda _aux, _
 
 
 class GradBucket:
-    """What a comm hook sees: one bucket's flat numpy buffer and how to reduce it."""
+    """What a comm hook sees: one bucket's flat numpy buffer and how to reduce it (the interface
+    of portddp.torch's GradBucket, on numpy)."""
 
-    def __init__(self, index: int, buffer: np.ndarray, names: list[str], num_buckets: int, transport,
-                 world_size: int, layout: list[tuple[int, tuple[int, ...]]] = ()):
+    def __init__(self, index: int, buffer: np.ndarray, names: list[str], grads: list, num_buckets: int, comm):
         self._index = index
         self._buffer = buffer
         self._names = names
-        self._layout = list(layout)  # (offset, shape) per parameter, in buffer order
+        self._grads = grads
         self._is_last = index == num_buckets - 1
-        self._transport = transport
-        self.world_size = world_size
+        self._comm = comm
+        self.world_size = comm.size
 
     def index(self) -> int:
         return self._index
@@ -123,27 +114,37 @@ class GradBucket:
     def buffer(self) -> np.ndarray:
         return self._buffer
 
+    def gradients(self) -> list[np.ndarray]:
+        """One view of the bucket buffer per parameter, shaped like it (canonical layout)."""
+        return list(self._grads)
+
     def parameters(self) -> list[str]:
         return list(self._names)
-
-    def gradients(self) -> list[np.ndarray]:
-        """One view of the buffer per parameter, shaped like it (the canonical layout), as PyTorch's
-        GradBucket.gradients() gives."""
-        return [self._buffer[off:off + math.prod(shape)].reshape(shape) for off, shape in self._layout]
 
     def is_last(self) -> bool:
         return self._is_last
 
-    def allreduce(self, array: np.ndarray, on_done=None):
-        """Sum `array` in place over all ranks on the comm thread; returns a Handle at once."""
-        return self._transport.allreduce(array, on_done=on_done)
+    def allreduce(self, array: np.ndarray) -> Handle:
+        """Sum `array` in place over all ranks on this DDP's transport; returns a Handle at once."""
+        return self._comm.allreduce(array)
+
+
+class _PlanState(NamedTuple):
+    """What belongs to one bucket plan: bucket_cap_mb="auto" switches between a few plans, and
+    each keeps its buffers, taps and traced programs (traced once per plan)."""
+
+    plan: BucketPlan
+    buffers: list  # one flat numpy buffer per bucket (hooked: what the collectives reduce)
+    taps: list  # one custom_vjp identity per bucket (_make_tap)
+    steps: dict  # per step function: its jitted (hooked) or compiled (compiled.Step) program
 
 
 class DistributedDataParallel:
     """Data-parallel gradients for a parameter pytree (or a Flax NNX state).
 
     Args:
-        params: the pytree whose structure, shapes and dtypes define the plan.
+        params: the pytree whose structure, shapes and dtypes define the plan (or an nnx.Module:
+            its nnx.Param state).
         bucket_cap_mb, first_bucket_cap_mb: as in portddp.torch, "auto" included
             (it times synchronised grad_fn calls, so it needs grad_fn called eagerly,
             not inside your own jax.jit).
@@ -170,416 +171,113 @@ class DistributedDataParallel:
     JOINED = JOINED
     """What `uneven()` yields once this rank is out of batches; pass it to grad_fn as the batch."""
 
+    # ---- construction
     def __init__(self, params, bucket_cap_mb: float | str = 25.0, first_bucket_cap_mb: float = 1.0,
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
                  canonical=None, pmap_devices: int | None = None, check_finite: bool = False,
                  broadcast_buffers: bool = True):
         params = flax_nnx.params_of(params)  # an nnx.Module: its nnx.Param state
+        # Validate everything local before talking to other ranks: every rank sees the same
+        # arguments, so every rank raises the same error.
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {transport!r}: portddp.jax supports {TRANSPORTS}")
+        config = DDPConfig.resolve(bucket_cap_mb, first_bucket_cap_mb, transport=transport, transports=TRANSPORTS,
+                                   overlap=overlap, check_finite=check_finite)
         if check_finite and strategy != "hooked":
             raise ValueError(f"check_finite=True needs strategy='hooked' (the gradients pass through the host "
                              f"there); with strategy={strategy!r} XLA never hands them over")
-        self.check_finite = check_finite
-        if order is not None and canonical is not None:
-            raise ValueError("pass order= or canonical= (which implies the order), not both")
-        self._tuner = CapTuner() if isinstance(bucket_cap_mb, str) and bucket_cap_mb == "auto" else None
-        if self._tuner is not None:
-            bucket_cap_mb = self._tuner.first
-        cap_bytes(bucket_cap_mb, "bucket_cap_mb")
-        cap_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
-        self.strategy, self.transport, self.overlap = strategy, transport, overlap
+        self.config = config
+        self._tuner = config.tuner()
+        self.strategy = strategy
+        self.bucket_cap_mb = config.bucket_cap_mb
+        self.first_bucket_cap_mb = config.first_bucket_cap_mb
         self.broadcast_buffers = bool(broadcast_buffers)
-        self.bucket_cap_mb, self.first_bucket_cap_mb = bucket_cap_mb, first_bucket_cap_mb
+        self.overlap = config.overlap
+        self.transport = config.transport
+        self.check_finite = config.check_finite
+        self._layout = Layout(params, order, canonical)
+        specs = self._specs(params)
 
-        paths, self._treedef = jax.tree_util.tree_flatten_with_path(params)
-        leaf_names = [jax.tree_util.keystr(p) for p, _ in paths]
-        leaves = [leaf for _, leaf in paths]
-        if not leaves:
-            raise ValueError("DistributedDataParallel needs a pytree with at least one array leaf")
-        keys = [n for n, x in zip(leaf_names, leaves) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
-        if keys:
-            raise ValueError(
-                f"leaf {keys[0]} is a JAX PRNG key, which is not a parameter: keep random state out of the "
-                "parameters (for Flax NNX: in nnx.Rngs, whose RngState nnx_value_and_grad carries per rank; "
-                "pass nnx.state(model, nnx.Param) or the model itself)")
-        not_float = [(n, np.dtype(x.dtype).name) for n, x in zip(leaf_names, leaves)
-                     if not jnp.issubdtype(x.dtype, jnp.floating)]
-        if not_float:
-            raise ValueError(
-                f"leaf {not_float[0][0]} has dtype {not_float[0][1]}, which has no gradient: pass only the "
-                "trainable floating-point parameters (for Flax NNX: nnx.state(model, nnx.Param)) and keep "
-                f"integer state elsewhere ({len(not_float)} such leaves)"
-            )
-        self._leaf_shapes = [tuple(np.shape(x)) for x in leaves]
-        self._leaf_dtypes = [np.dtype(x.dtype).name for x in leaves]
-        self._leaf_names = leaf_names
-        # Everything below works on parameter k = the k-th in registration order, in
-        # the canonical layout; _leaf_of[k] and _perm[k] lead back to the pytree.
-        canonical = canonical if canonical is not None else [
-            Canonical(leaf_names[i], leaf_names[i], None) for i in self._registration_order(order)]
-        self._leaf_of = self._leaf_indices([c.leaf for c in canonical])
-        self._perm = [c.perm for c in canonical]
-        self._names = [c.name for c in canonical]
-        specs = self._specs_of(params)
-
-        if strategy == "pmap":
-            # This process's devices are the ranks: no other process, no MPI.
-            self._transport = None
-            self.world_size, self.rank = compiled.pmap_world(pmap_devices), 0
-        else:
-            check_same_config(launch.allgather_object({
-                "bucket_cap_mb": "auto" if self._tuner else bucket_cap_mb, "first_bucket_cap_mb": first_bucket_cap_mb,
-                "transport": "mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})", "check_finite": bool(check_finite)}))
-            self._transport = get_transport()
-            self.world_size, self.rank = self._transport.size, self._transport.rank
-            launched = launch.world()
-            if launched.size != self.world_size:
-                raise RuntimeError(
-                    f"portddp.jax talks over MPI, whose world here has {self.world_size} rank(s), but the "
-                    f"launcher ({launched.launcher}) started {launched.size}: launch with `mpirun -n "
-                    f"{launched.size} python ...` (or use strategy='pmap' within one process)")
-            self._verify_same_params(specs)
-            if strategy == "compiled":
-                compiled.process_devices(self.world_size)  # fails early without jax.distributed
+        if strategy != "pmap":  # (pmap: one process, nobody to compare with)
+            check_same_config(launch.allgather_object(config.exchanged(
+                transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})")))
+        self._comm = make_comm(strategy, pmap_devices)
+        self._transport = getattr(self._comm, "transport", None)  # (what portddp/checkpoint.py reads)
+        self.world_size = self._comm.size
+        self.rank = self._comm.rank
         self._inv_world = 1.0 / self.world_size
+        self._verify_same_model(specs)
+        if strategy == "compiled":
+            compiled.process_devices(self.world_size)  # fails early without jax.distributed
         self._hook = None
         self._hook_state = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # XLA may run independent host callbacks on different threads
+        self._callback_errors: list = []  # what the last eager step's host callbacks raised
         self._tracing_fired: set | None = None  # while a hooked step is traced: the taps whose backward ran
-        self._install_plan(plan_buckets(specs, bucket_cap_mb, first_bucket_cap_mb))
+        self._plans: dict[str, _PlanState] = {}
+        self._install_plan(plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb))
         self._rebuilt = strategy != "hooked"  # XLA schedules the other strategies: nothing to rebuild
         self._rebuild_order: list[int] | None = None
-        self._observed_order: list[int] | None = None
+        self._observed_order: list[int] | None = None  # rank 0's, once the plan was rebuilt
+        self._uneven: _Uneven | None = None  # inside ddp.uneven(): this step's agreement
         self._last_events: IterationEvents | None = None
         self._iterations = 0
-        self._iteration_time = 0.0
-        self._uneven: _Uneven | None = None  # inside ddp.uneven(): this step's agreement
+        self._iteration_time = 0.0  # compiled, pmap: seconds of the last step
+        self._hlo: dict = {}  # compiled, pmap: what XLA made of the last step
 
-    # ------------------------------------------------------------------ setup
-    def _registration_order(self, order) -> list[int]:
-        if order is None:
-            return list(range(len(self._leaf_names)))
-        return self._leaf_indices(order, what="order")
+    def _specs(self, tree) -> list[ParamSpec]:
+        return self._layout.specs(tree)
 
-    def _leaf_indices(self, names, what: str = "canonical") -> list[int]:
-        index = {n: i for i, n in enumerate(self._leaf_names)}
-        unknown = [n for n in names if n not in index]
-        if unknown or len(names) != len(index) or len(set(names)) != len(names):
-            missing = sorted(set(index) - set(names))
-            raise ValueError(
-                f"{what} must list every parameter name exactly once; unknown: {unknown[:5]}, missing: "
-                f"{missing[:5]} (names are jax.tree_util.keystr of the leaf paths, e.g. {self._leaf_names[0]!r})"
-            )
-        return [index[n] for n in names]
-
-    def _specs_of(self, tree) -> list[ParamSpec]:
-        """The (name, shape, dtype) of each parameter of `tree` in registration order and canonical
-        layout -- or, for a tree of another structure, of each leaf (and the check will say where)."""
-        paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        if treedef != self._treedef:
-            return [ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), np.dtype(x.dtype).name) for p, x in paths]
-        return [ParamSpec(self._names[k], _permuted(tuple(np.shape(paths[i][1])), self._perm[k]),
-                          np.dtype(paths[i][1].dtype).name) for k, i in enumerate(self._leaf_of)]
-
-    def _verify_same_params(self, specs: list[ParamSpec]) -> None:
+    def _verify_same_model(self, specs: list[ParamSpec]) -> None:
         """Compare every rank's parameters with rank 0's; name the first differing key path."""
-        everyone = self._transport.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
+        everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
         check_same_specs(everyone, "parameter pytrees differ across ranks", "leaf", "leaves")
 
-    _PER_PLAN = ("_plan", "_buffers", "_grad_buckets", "_taps", "_reduce_step", "_steps", "_hlo")
+    def _broadcast_state(self, params):
+        """Rank 0's values of `params` everywhere, bucket by bucket, after agreeing again: the same
+        exchange as portddp.torch's _broadcast_state (see portddp.protocol)."""
+        # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
+        self._verify_same_model(self._specs(params))
+        leaves = self._layout.leaves_of(params)
+        for b, bucket in enumerate(self._plan.buckets):
+            self._pack(b, [leaves[k] for k in bucket.params], divide=False)
+            self._comm.broadcast_([self._buffers[b]], src=0)
+        return self._write_grads()  # (the buffers hold rank 0's parameters)
 
+    # ---- plan
     def _install_plan(self, plan: BucketPlan) -> None:
-        """Buffers, taps and compiled steps for `plan`; a plan seen before gets its own back
-        (bucket_cap_mb="auto" switches between a few, and each is traced only once)."""
-        if getattr(self, "_plan", None) is not None:
-            self._plan_cache[self._plan.to_json()] = {a: getattr(self, a) for a in self._PER_PLAN}
-        else:
-            self._plan_cache: dict = {}
-        cached = self._plan_cache.get(plan.to_json())
-        if cached is not None:
-            for a, value in cached.items():
-                setattr(self, a, value)
-            return
-        self._plan = plan
-        self._buffers = [np.zeros(b.numel, dtype=jnp.dtype(b.dtype)) for b in plan.buckets]
-        self._grad_buckets = [
-            GradBucket(b, buf, [self._names[k] for k in plan.buckets[b].params], len(plan.buckets), self._transport,
-                       self.world_size, [(off, plan.specs[k].shape) for k, off in
-                                         zip(plan.buckets[b].params, plan.buckets[b].offsets)])
-            for b, buf in enumerate(self._buffers)
-        ]
-        self._taps = [self._make_tap(b) for b in range(len(plan.buckets))]
-        self._reduce_step = None
-        self._steps: dict = {}  # jitted steps per step function (held: an id could be reused), with this plan
-        self._hlo: dict = {}  # compiled: what XLA made of this plan (filled at the first step)
+        """Buffers, taps and traced steps for `plan`; a plan seen before gets its own back."""
+        key = plan.to_json()
+        if key not in self._plans:
+            self._plans[key] = _PlanState(plan, [np.zeros(b.numel, dtype=jnp.dtype(b.dtype)) for b in plan.buckets],
+                                          [self._make_tap(b) for b in range(len(plan.buckets))], {})
+        self._plan, self._buffers, self._taps, self._steps = self._plans[key]
+
+    def _grad_bucket(self, b: int, buffer: np.ndarray) -> GradBucket:
+        bucket, specs = self._plan.buckets[b], self._plan.specs
+        grads = [buffer[off:off + specs[k].numel].reshape(specs[k].shape)
+                 for k, off in zip(bucket.params, bucket.offsets)]
+        return GradBucket(b, buffer, [self._layout.names[k] for k in bucket.params], grads, len(self._plan.buckets),
+                          self._comm)
 
     @property
     def bucket_plan(self) -> BucketPlan:
+        """The BucketPlan in use (after the rebuild, the rebuilt one)."""
         return self._plan
 
+    # ---- public API
     def register_comm_hook(self, state, hook) -> None:
         """Reduce each bucket with `hook(state, bucket) -> Handle` (see portddp.jax.hooks).
-        Gradients then reach the bucket undivided; the hook divides."""
+
+        Call once, before the first synchronised step. Gradients then reach the bucket
+        undivided; the hook divides. Once the handle is done, bucket.buffer() holds the result."""
         if self._hook is not None:
             raise RuntimeError("a comm hook is already registered; register_comm_hook can be called only once")
+        if self._iterations:
+            raise RuntimeError("register_comm_hook must be called before the first synchronised step")
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket) -> Handle; got {hook!r}")
         self._hook, self._hook_state = hook, state
-
-    # ------------------------------------------------------------- broadcast
-    def broadcast(self, params):
-        """Rank 0's values of `params` on every rank, after checking every rank passes the same
-        structure, shapes and dtypes (the same exchange as portddp.torch's, portddp.protocol).
-
-        Given a Flax nnx.Module, it updates the module in place -- rank 0's Params and buffers
-        (BatchStat and other non-RNG state; RNG state stays per rank) -- and returns it."""
-        if flax_nnx.is_module(params):
-            return flax_nnx.broadcast(self, params)
-        if self._transport is not None:
-            # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
-            self._verify_same_params(self._specs_of(params))
-        leaves = self._leaves_of(params)
-        if self.strategy == "pmap":
-            return params  # one process: its values are rank 0's
-        for b in range(len(self._plan.buckets)):
-            self._pack(b, leaves, divide=False)
-            if self.world_size > 1:
-                self._transport.broadcast(self._buffers[b], root=0).wait()
-        return self._unpack()
-
-    def _broadcast_leaves(self, leaves: list) -> list:
-        """Rank 0's values of a list of numpy-convertible arrays (any dtypes), in one Bcast of bytes."""
-        arrays = [np.ascontiguousarray(np.asarray(x)) for x in leaves]
-        if self.world_size == 1 or self._transport is None or not arrays:
-            return arrays
-        flat = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
-        self._transport.broadcast(flat, root=0).wait()
-        out, off = [], 0
-        for a in arrays:
-            out.append(flat[off:off + a.nbytes].view(a.dtype).reshape(a.shape).copy())
-            off += a.nbytes
-        return out
-
-    def _leaves_of(self, tree) -> dict[int, object]:
-        """{parameter index k: its leaf}, after checking the tree is the one we were built with."""
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if treedef != self._treedef:
-            raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
-                             f" got {treedef}, expected {self._treedef}")
-        for name, shape, dtype, leaf in zip(self._leaf_names, self._leaf_shapes, self._leaf_dtypes, leaves):
-            if tuple(np.shape(leaf)) != shape or np.dtype(leaf.dtype).name != dtype:
-                raise ValueError(f"leaf {name} is {np.shape(leaf)} {np.dtype(leaf.dtype).name}; "
-                                 f"expected {shape} {dtype}")
-        return {k: leaves[i] for k, i in enumerate(self._leaf_of)}
-
-    def _pack(self, b: int, leaves: dict, divide: bool) -> None:
-        """Copy bucket b's parameters (canonical layout) into its flat buffer, divided if asked."""
-        buf, bucket = self._buffers[b], self._plan.buckets[b]
-        for k, off in zip(bucket.params, bucket.offsets):
-            src = np.asarray(leaves[k])
-            if self._perm[k] is not None:
-                src = src.transpose(self._perm[k])
-            dst = buf[off:off + src.size].reshape(src.shape)
-            if divide:
-                np.multiply(src, self._inv_world, out=dst, casting="unsafe")
-            else:
-                dst[...] = src
-
-    def _unpack(self):
-        """A new pytree of jax arrays holding the buffers' contents, in the pytree's own layout."""
-        return jax.tree_util.tree_unflatten(self._treedef, self._unpack_host(jnp.array))
-
-    def _unpack_host(self, array=np.array) -> list:
-        """Copies of the buffers' contents (`array(view, copy=True)`), one per pytree leaf, in the
-        pytree's own layout."""
-        out = [None] * len(self._leaf_names)
-        for buf, bucket in zip(self._buffers, self._plan.buckets):
-            for k, off in zip(bucket.params, bucket.offsets):
-                spec = self._plan.specs[k]
-                value = buf[off:off + spec.numel].reshape(spec.shape)
-                if self._perm[k] is not None:
-                    value = value.transpose(np.argsort(self._perm[k]))
-                # Copy: the buffer is reused by the next iteration.
-                out[self._leaf_of[k]] = array(value, copy=True)
-        return out
-
-    # --------------------------------------------------------------- backward
-    def _make_tap(self, b: int):
-        """Identity on bucket b's parameters whose backward launches bucket b."""
-        return _host_tap(lambda token, *grads: self._bucket_ready(b, grads), on_trace=lambda: self._tap_traced(b))
-
-    def _tap_traced(self, b: int) -> None:
-        """At trace time: tap b's backward rule is part of the program (JAX skips the rule of a tap
-        whose outputs the loss never uses, so a bucket not recorded here would never fire)."""
-        if self._tracing_fired is not None:
-            self._tracing_fired.add(b)
-
-    def _loss_tap(self):
-        """Identity on the loss whose backward records the end of forward. The loss itself is
-        handed to the callback, so that it cannot be scheduled before the forward is done."""
-        return _host_tap(self._forward_done, keep_primal=True)
-
-    def _start(self, dead: list):
-        """Identity on a scalar whose forward opens the iteration on the host (`_begin_iteration`).
-        Its output is the token every tap takes, so no tap's callback can run before it; the
-        taps' callbacks return the cotangents of that token, which flow back into `start`'s
-        input -- a value that exists only once every bucket has been launched. `dead` lists the
-        buckets whose taps never fire (filled in once the step has been traced)."""
-
-        @jax.custom_vjp
-        def start(x):
-            return io_callback(lambda _x: self._begin_callback(dead), jax.ShapeDtypeStruct((), jnp.float32), x,
-                               ordered=False)
-
-        def fwd(x):
-            return start(x), None
-
-        def bwd(_, ct):
-            return (ct,)
-
-        start.defvjp(fwd, bwd)
-        return start
-
-    def _begin_callback(self, dead):
-        self._begin_iteration(dead)
-        return np.float32(0)
-
-    def _buffers_callback(self, *leaves):
-        """Host side of broadcast_buffers in a hooked step: rank 0's buffers, then a zero the
-        iteration's start waits on (so the Bcast precedes every bucket's all-reduce on every rank)."""
-        return [*self._broadcast_leaves(leaves), np.float32(0)]
-
-    def _forward_done(self, *_):
-        self._events.forward_end_ns = _now()
-        return np.float32(0)
-
-    def _bucket_ready(self, b: int, grads) -> np.int32:
-        """Host side of bucket b's tap: pack, mark ready, launch what the plan order allows."""
-        now = _now()
-        bucket = self._plan.buckets[b]
-        if self.check_finite:
-            for k, g in zip(bucket.params, grads):
-                self._nonfinite[k] = not np.isfinite(g).all()
-        self._pack(b, dict(zip(bucket.params, grads)), divide=self._hook is None)
-        with self._lock:  # XLA may run independent callbacks on different threads
-            self._ready_order.extend(bucket.params)
-            self._events.buckets[b].ready_ns = now
-            self._events.backward_end_ns = max(self._events.backward_end_ns, now)
-            self._ready[b] = True
-            if self.overlap:
-                self._launch_ready_buckets()
-        return np.float32(0)
-
-    def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self._buffers) and self._ready[self._next_launch]:
-            self._launch(self._next_launch)
-            self._next_launch += 1
-
-    def _launch(self, b: int) -> None:
-        ev = self._events.buckets[b]
-        ev.launch_ns = _now()
-        if self.world_size == 1 and self._hook is None:
-            self._handles[b] = None
-            ev.done_ns = ev.launch_ns
-            return
-        if self._hook is None:
-            self._handles[b] = self._transport.allreduce(self._buffers[b])
-        else:
-            self._handles[b] = self._hook(self._hook_state, self._grad_buckets[b])
-
-    def _begin_iteration(self, dead=()) -> None:
-        """Open an iteration. The `dead` buckets (no tap fires: the loss uses none of their
-        leaves) are zeros and ready at once; they launch in plan order like the others.
-        The watchdog learns that a synchronised iteration is under way (a peer that already left
-        before reaching it stops this rank, naming it, instead of leaving it waiting)."""
-        watchdog.step_started()
-        n = len(self._buffers)
-        self._ready = [False] * n
-        self._next_launch = 0
-        self._handles: list = [None] * n
-        self._ready_order: list[int] = []
-        self._nonfinite = np.zeros(len(self._names), np.int32)
-        self._events = IterationEvents(
-            rank=self.rank, forward_start_ns=_now(),
-            buckets=[BucketEvents(b, buf.nbytes) for b, buf in enumerate(self._buffers)])
-        if dead:
-            with self._lock:
-                self._zero_ready(dead)
-                if self.overlap:
-                    self._launch_ready_buckets()
-
-    def _zero_ready(self, buckets) -> None:
-        now = _now()
-        for b in buckets:
-            self._buffers[b].fill(0)
-            self._events.buckets[b].ready_ns = now
-            self._ready[b] = True
-
-    def _finalize(self):
-        """After the computation: launch the rest, wait in plan order, return the mean gradients."""
-        with self._lock:
-            # Only a safety net: buckets whose taps cannot fire were found at trace time (`dead`).
-            self._zero_ready([b for b, r in enumerate(self._ready) if not r])
-            self._launch_ready_buckets()
-        # After the buckets, as portddp.torch does: how many ranks produced each gradient. A JAX
-        # rank always has all of them; a PyTorch rank in the same job may not (portddp.protocol).
-        # (check_finite: a second half counting, per parameter, the ranks with NaN/Inf in it)
-        n = len(self._names)
-        used = np.concatenate([np.ones(n, np.int32), self._nonfinite if self.check_finite else np.zeros(0, np.int32)])
-        used_handle = self._transport.allreduce(used) if self.world_size > 1 else None
-        for b, handle in enumerate(self._handles):
-            if handle is not None:
-                handle.wait()
-                self._events.buckets[b].done_ns = handle.done_ns
-        if used_handle is not None:
-            used_handle.wait()
-        watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
-        self._events.finalize_end_ns = _now()
-        self._last_events = self._events
-        self._iterations += 1
-        if not self._rebuilt and self._rebuild_order is None:
-            self._rebuild_order = self._ready_order
-        if used[:n].min() < self.world_size:
-            raise unused_parameters_error(self._names, used[:n].tolist(), self.world_size, self.rank,
-                                          [1] * len(self._names))
-        if used[n:].any():
-            mine = [self._names[k] for k in np.flatnonzero(self._nonfinite)]
-            raise nonfinite_error(self._transport.allgather_object(mine) if self.world_size > 1 else [mine],
-                                  self.rank)
-
-    def _maybe_rebuild(self) -> None:
-        """Once, at the call after the first synchronised one: re-plan from rank 0's observed order
-        (broadcast), as portddp.torch does at its next forward."""
-        if self._rebuild_order is None:
-            return
-        order = np.full(len(self._names), -1, np.int64)
-        order[: len(self._rebuild_order)] = self._rebuild_order
-        if self.world_size > 1:
-            self._transport.broadcast(order, root=0).wait()
-        self._observed_order = [int(i) for i in order if i >= 0]
-        self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
-                                        self.first_bucket_cap_mb))
-        self._rebuild_order = None
-        self._rebuilt = True
-
-    def _autotune(self) -> None:
-        """bucket_cap_mb="auto": the cap this call uses; re-plan when it changes (which re-traces)."""
-        if self._tuner is None or self._tuner.done:
-            return
-        cap = self._tuner.start_iteration(_now())
-        if cap is None:  # trials over: agree on the winner (a collective, on every rank)
-            gather = self._transport.allgather_object if self._transport is not None else (lambda x: [x])
-            cap = self._tuner.decide(gather, self.rank)
-        if cap != self.bucket_cap_mb:
-            self.bucket_cap_mb = cap
-            order = self._observed_order
-            # Hooked: the observed order (or the pending rebuild uses the new cap); others: the initial order.
-            if self._rebuild_order is None:
-                self._install_plan(rebuild_plan(self._plan, order, cap, self.first_bucket_cap_mb) if order is not None
-                                   else plan_buckets(self._plan.specs, cap, self.first_bucket_cap_mb))
 
     def value_and_grad(self, loss_fn, has_aux: bool = False):
         """`grad_fn(params, batch, sync=True) -> (loss, grads)`: grads are the mean over
@@ -616,239 +314,24 @@ class DistributedDataParallel:
         is written back into `model`. See portddp/jax/flax_nnx.py for buffers and RNG."""
         return flax_nnx.value_and_grad(self, loss_fn, has_aux)
 
-    def _grad_step(self, fn):
-        """`step(static, params, state, batch, sync) -> (loss, aux, new_state, grads)` for
-        `fn(static, params, state, batch) -> (loss, (aux, new_state))`, the one form every
-        front end (value_and_grad, nnx_value_and_grad) reduces to. `static` is hashable and
-        fixed per trace (an NNX GraphDef); `state` is per rank and not differentiated, and
-        `state[0]` holds the buffers broadcast_buffers replaces with rank 0's (None: no state)."""
-        local = jax.jit(jax.value_and_grad(fn, argnums=1, has_aux=True), static_argnums=0)
-
-        def local_step(static, params, state, batch):
-            (loss, (aux, new_state)), grads = local(static, params, state, batch)
-            return loss, aux, new_state, grads
-
-        if self.strategy != "hooked":
-            def synced(static, params, state, batch, scale=None):
-                self._autotune()
-                step = self._steps.get(fn)
-                if step is None:  # first call, or the plan changed ("auto"): compile with this plan
-                    step = self._steps[fn] = self._timed(compiled.make_step(self, fn))
-                return step(static, params, state, batch, scale)
-
-            def uneven_step(static, params, state, batch):
-                """Inside ddp.uneven() while some rank has joined: every rank runs the same program,
-                which zeroes the gradients of the joined ranks (scale 0) before the psums; a joined
-                rank feeds it zeros shaped like the others' batch (the forward's result is dropped)."""
-                joined = isinstance(batch, Joined)
-                if joined:
-                    batch = self._uneven.zeros_batch()
-                loss, aux, new_state, grads = synced(static, params, state, batch, 0.0 if joined else 1.0)
-                return (None, None, state, grads) if joined else (loss, aux, new_state, grads)
-
-            def xla_step(static, params, state, batch, sync=True):
-                if sync and _traced(params):
-                    raise ValueError(
-                        f"strategy={self.strategy!r} runs its own program over every rank's device, which "
-                        "cannot be traced into your jax.jit (or nnx.jit) over this process's arrays: call "
-                        "grad_fn outside jit (it is compiled already; jit the optimizer update on its own), "
-                        "or use strategy='hooked', which can be")
-                if isinstance(batch, Joined):
-                    self._leaves_of(params)
-                    if self._uneven is None or self._uneven.count == self.world_size:
-                        raise ValueError(_JOINED_OUTSIDE)
-                    if not sync:
-                        return None, None, state, _zeros_like(params)
-                if not sync:
-                    return _flax_errors(local_step, static, params, state, batch)
-                if self._uneven is not None and self._uneven.count < self.world_size:
-                    return _flax_errors(uneven_step, static, params, state, batch)
-                return _flax_errors(synced, static, params, state, batch)
-
-            return xla_step
-        program = self._hooked_step(fn)
-
-        def hooked_step(static, params, state, batch, sync: bool = True):
-            joined = isinstance(batch, Joined)
-            if _traced(params):
-                # Inside the caller's jit: the program is traced once, with today's plan, so the
-                # plan must not change under it -- no rebuild in this mode.
-                if self._tuner is not None:
-                    raise ValueError("bucket_cap_mb='auto' re-plans between grad_fn calls, which cannot happen "
-                                     "inside your own jax.jit: pass a number of MB, or call grad_fn outside jit")
-                self._rebuilt, self._rebuild_order = True, None
-                if joined:
-                    return self._joined_traced(params, state, sync)
-                return _flax_errors(program if sync else local_step, static, params, state, batch)
-            if sync:
-                self._autotune()
-            self._maybe_rebuild()
-            if joined:  # the same collectives as the branch below, with zeros for this rank's gradients
-                self._leaves_of(params)
-                if not sync:
-                    return None, None, state, _zeros_like(params)
-                if self._bcasts_buffers(state):
-                    self._broadcast_leaves(jax.tree.leaves(state[0]))  # rank 0's; this rank runs no forward
-                return None, None, state, self._reduce_host(None)
-            if not sync:
-                return _flax_errors(local_step, static, params, state, batch)
-            step = self._steps.get(program)
-            if step is None:  # first call, or the plan was rebuilt: trace again with the new taps
-                # A new function object each time: jax.jit caches traces per function.
-                step = self._steps[program] = jax.jit(lambda *args: program(*args), static_argnums=0)
-            self._callback_error = None
-            try:
-                loss, aux, new_state, grads = _flax_errors(step, static, params, state, batch)
-                return loss, aux, new_state, jax.block_until_ready(grads)
-            except Exception:
-                error, self._callback_error = self._callback_error, None
-                if error is None:
-                    raise
-                raise error from None  # portddp's own message, not XLA's wrapper around it
-
-        return hooked_step
-
-    def _joined_traced(self, params, state, sync: bool):
-        """A joined rank's grad_fn inside the caller's jit (hooked): one host callback issues what
-        the program's callbacks issue on the other ranks -- rank 0's buffers (Bcast, if the
-        program broadcasts them), every bucket (zeros) and the used counts -- and hands back the mean."""
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        if treedef != self._treedef:
-            raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
-                             f" got {treedef}, expected {self._treedef}")
-        if not sync:
-            return None, None, state, _zeros_like(params)
-        buffers = jax.tree.leaves(state[0]) if self._bcasts_buffers(state) else []
-        reduced = io_callback(self._joined_callback,
-                              [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves], *buffers, ordered=False)
-        return None, None, state, jax.tree_util.tree_unflatten(self._treedef, reduced)
-
-    def _joined_callback(self, *buffers):
-        try:
-            if buffers:
-                self._broadcast_leaves(buffers)
-            return self._reduce_host(None, host=True)
-        except Exception as e:
-            self._callback_error = e
-            raise
-
-    def _bcasts_buffers(self, state) -> bool:
-        """Whether a hooked step with this `state` broadcasts rank 0's buffers before the iteration."""
-        return (state is not None and self.broadcast_buffers and self.world_size > 1
-                and bool(jax.tree.leaves(state[0])))
-
-    def _timed(self, step):
-        def run(*args):
-            t0 = _now()
-            watchdog.step_started()  # one XLA program holds the iteration's collectives
-            out = step(*args)
-            jax.block_until_ready(out[-1])
-            watchdog.step_finished()
-            self._iteration_time = (_now() - t0) * 1e-9
-            self._iterations += 1
-            return out
-
-        return run
-
-    def psum_buckets(self, leaves: list, axis_name: str) -> list:
-        """Inside a compiled step: each bucket flattened, divided by the world size,
-        summed with one psum, and split back. Takes and returns the pytree's leaf list
-        (only JAX processes take part, so the pytree's own layout will do)."""
-        out = list(leaves)
-        for bucket in self._plan.buckets:
-            flat = jnp.concatenate([leaves[self._leaf_of[k]].reshape(-1) for k in bucket.params])
-            # Divide before the sum, as the hooked strategy and PyTorch do.
-            flat = jax.lax.psum(flat * jnp.asarray(self._inv_world, flat.dtype), axis_name)
-            for k, off in zip(bucket.params, bucket.offsets):
-                i = self._leaf_of[k]
-                out[i] = flat[off:off + self._plan.specs[k].numel].reshape(self._leaf_shapes[i])
-        return out
-
-    def _hooked_step(self, fn):
-        """The synchronised step as one traceable program: host callbacks open the iteration,
-        launch each bucket as XLA produces its gradients, and finally wait for the reductions and
-        hand the reduced buckets back into the program. It can therefore be wrapped in the
-        caller's own jax.jit (with the optimizer update, say); called eagerly, it is jitted here."""
-        loss_tap = self._loss_tap()
-
-        def program(static, params, state, batch):
-            if jax.tree_util.tree_structure(params) != self._treedef:
-                raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
-                                 f" got {jax.tree_util.tree_structure(params)}, expected {self._treedef}")
-            dead: list[int] = []  # read by the start callback at run time, filled below at trace time
-            start = self._start(dead)
-            bcast = self._bcasts_buffers(state)
-
-            def tapped(params, start_value, state):
-                # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (grad_fn).
-                if bcast:  # rank 0's buffers, Bcast before the iteration starts (the token waits for it)
-                    leaves, tree = jax.tree.flatten(state[0])
-                    *leaves, after = io_callback(self._buffers_callback, [
-                        *(jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves),
-                        jax.ShapeDtypeStruct((), jnp.float32)], *leaves, ordered=False)
-                    state = (jax.tree.unflatten(tree, leaves), *state[1:])
-                    start_value = start_value + after
-                token = start(start_value)
-                leaves = list(jax.tree_util.tree_leaves(params))
-                for b, bucket in enumerate(self._plan.buckets):
-                    tapped_leaves = self._taps[b]([leaves[self._leaf_of[k]] for k in bucket.params], token)
-                    for k, leaf in zip(bucket.params, tapped_leaves):
-                        leaves[self._leaf_of[k]] = leaf
-                loss, aux = fn(static, jax.tree_util.tree_unflatten(self._treedef, leaves), state, batch)
-                return loss_tap(loss, token), aux
-
-            self._tracing_fired = fired = set()
-            try:
-                (loss, (aux, new_state)), (_, launched) = jax.value_and_grad(tapped, argnums=(0, 1), has_aux=True)(
-                    params, jnp.float32(0), state)
-            finally:
-                self._tracing_fired = None
-            dead.extend(b for b in range(len(self._plan.buckets)) if b not in fired)
-            # `launched` depends on every live tap's callback: this one runs after the last launch.
-            # One array per parameter (canonical layout, plan order): XLA copies the callback's
-            # results into its own buffers, so the host hands out views of the bucket buffers.
-            specs = [self._plan.specs[k] for b in self._plan.buckets for k in b.params]
-            reduced = io_callback(self._finish_callback,
-                                  [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in specs],
-                                  launched, ordered=False)
-            return loss, aux, new_state, self._to_tree(reduced)
-
-        return program
-
-    def _finish_callback(self, _launched):
-        """Host side of the end of the step: wait for every bucket; hand back each parameter's
-        reduced gradient as a view of its bucket (XLA copies it out before the next step)."""
-        try:
-            self._finalize()
-        except Exception as e:  # XLA wraps it in its own error; grad_fn raises this one instead
-            self._callback_error = e
-            raise
-        return [buf[off:off + self._plan.specs[k].numel].reshape(self._plan.specs[k].shape)
-                for buf, bucket in zip(self._buffers, self._plan.buckets)
-                for k, off in zip(bucket.params, bucket.offsets)]
-
-    def _to_tree(self, reduced):
-        """Inside the program: per-parameter arrays in plan order -> the pytree, in its own layout."""
-        out = [None] * len(self._leaf_names)
-        ks = [k for bucket in self._plan.buckets for k in bucket.params]
-        for k, value in zip(ks, reduced):
-            if self._perm[k] is not None:
-                value = value.transpose(tuple(np.argsort(self._perm[k])))
-            out[self._leaf_of[k]] = value
-        return jax.tree_util.tree_unflatten(self._treedef, out)
-
     def reduce(self, grads):
         """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order."""
-        self._maybe_rebuild()
-        leaves = self._leaves_of(grads)
+        if self._rebuild_order is not None:
+            self._rebuild()
+        leaves = self._layout.leaves_of(grads)
         if self.strategy != "hooked":
-            if self._reduce_step is None:
-                self._reduce_step = compiled.make_reduce(self)
+            if "reduce" not in self._steps:
+                self._steps["reduce"] = compiled.make_reduce(self.strategy, self._plan, self._layout, self.world_size)
             watchdog.step_started()
-            out = jax.block_until_ready(self._reduce_step(grads))
+            out = jax.block_until_ready(self._steps["reduce"](grads))
             watchdog.step_finished()
             return out
-        return self._reduce_host(leaves)
+        # One synchronised iteration on the host: the same collectives as a hooked grad_fn step.
+        self._begin_iteration()
+        for b, bucket in enumerate(self._plan.buckets):
+            self._mark_ready(b, [leaves[k] for k in bucket.params])
+        self._finalize()
+        return self._write_grads()
 
     def uneven(self, batches, divide_by_initial_world_size: bool = True, throw_on_early_termination: bool = False):
         """Train on uneven inputs -- portddp.jax's counterpart of torch DDP's `with ddp.join():`.
@@ -890,61 +373,436 @@ class DistributedDataParallel:
             raise ValueError("uneven(divide_by_initial_world_size=False) needs strategy='hooked' without a comm hook "
                              "(it changes the divisor per step on the host): use the default (divide by the initial "
                              "world size) or strategy='hooked'")
-        return self._uneven_steps(iter(batches), divide_by_initial_world_size, throw_on_early_termination)
+        batches = iter(batches)
+        alone = self.strategy == "pmap" or self.world_size == 1  # one process: nothing to agree on
 
-    def _uneven_steps(self, batches, divide: bool, throw: bool):
-        alone = self._transport is None or self.world_size == 1  # pmap, or a world of one: nothing to agree on
-        step = _Uneven()
-        try:
-            while True:
-                batch = _END if step.out else next(batches, _END)
-                step.out = batch is _END
-                if alone:
-                    if step.out:
+        def steps():
+            step = _Uneven()
+            try:
+                while True:
+                    batch = _END if step.out else next(batches, _END)
+                    step.out = batch is _END
+                    if alone:
+                        if step.out:
+                            return
+                        yield batch
+                        continue
+                    flags = np.zeros(self.world_size, np.int32)
+                    flags[self.rank] = not step.out
+                    watchdog.step_started()  # a collective every rank must reach, like an iteration
+                    self._comm.allreduce(flags).wait()
+                    watchdog.step_finished()
+                    step.count = int(flags.sum())
+                    if step.count == 0:
                         return
-                    yield batch
-                    continue
-                flags = np.zeros(self.world_size, np.int32)
-                flags[self.rank] = not step.out
-                watchdog.step_started()  # a collective every rank must reach, like an iteration
-                self._transport.allreduce(flags).wait()
-                watchdog.step_finished()
-                step.count = int(flags.sum())
-                if step.count == 0:
-                    return
-                if step.count < self.world_size and throw:
-                    out = [r for r in range(self.world_size) if not flags[r]]
-                    raise RuntimeError(f"uneven(throw_on_early_termination=True): rank(s) {out} ran out of batches "
-                                       f"while {step.count} of {self.world_size} ranks still have one")
-                step.template = None
-                if step.count < self.world_size and self.strategy == "compiled":
-                    # The joined ranks feed the program zeros shaped like a batch of a rank that has one.
-                    step.template = next(t for t in self._transport.allgather_object(
-                        None if step.out else _batch_spec(batch)) if t is not None)
-                self._inv_world = 1.0 / (self.world_size if divide else step.count)
-                self._uneven = step
-                yield JOINED if step.out else batch
+                    if step.count < self.world_size and throw_on_early_termination:
+                        out = [r for r in range(self.world_size) if not flags[r]]
+                        raise RuntimeError(f"uneven(throw_on_early_termination=True): rank(s) {out} ran out of "
+                                           f"batches while {step.count} of {self.world_size} ranks still have one")
+                    step.template = None
+                    if step.count < self.world_size and self.strategy == "compiled":
+                        # The joined ranks feed the program zeros shaped like a batch of a rank that has one.
+                        step.template = next(t for t in self._comm.allgather_object(
+                            None if step.out else _batch_spec(batch)) if t is not None)
+                    self._inv_world = 1.0 / (self.world_size if divide_by_initial_world_size else step.count)
+                    self._uneven = step
+                    yield JOINED if step.out else batch
+                    self._uneven = None
+            finally:
                 self._uneven = None
-        finally:
-            self._uneven = None
-            self._inv_world = 1.0 / self.world_size
+                self._inv_world = 1.0 / self.world_size
 
-    def _reduce_host(self, leaves: dict | None, host: bool = False):
-        """One synchronised iteration on the host: every bucket packed from `leaves` (None: zeros,
-        a joined rank's share) and launched in plan order, then the used counts. The same
-        collectives as a hooked grad_fn step, which is what lets a joined rank shadow one.
-        Returns the pytree (jax arrays), or with `host` its leaves as numpy copies (for a callback)."""
-        self._begin_iteration()
-        for b in range(len(self._buffers)):
-            if leaves is None:
-                self._buffers[b].fill(0)
-            else:
-                self._pack(b, leaves, divide=self._hook is None)
-            with self._lock:
-                self._ready[b] = True
+        return steps()
+
+    def broadcast(self, params):
+        """Rank 0's values of `params` on every rank, after checking every rank passes the same
+        structure, shapes and dtypes (the same exchange as portddp.torch's, portddp.protocol).
+
+        Given a Flax nnx.Module, it updates the module in place -- rank 0's Params and buffers
+        (BatchStat and other non-RNG state; RNG state stays per rank) -- and returns it."""
+        if flax_nnx.is_module(params):
+            return flax_nnx.broadcast(self, params)
+        return self._broadcast_state(params)
+
+    def psum_buckets(self, leaves: list, axis_name: str) -> list:
+        """Inside a compiled step of your own: each bucket flattened, divided by the world size,
+        summed with one psum over `axis_name`, and split back (the pytree's leaf list in and out)."""
+        return compiled.psum_buckets(self._plan, self._layout, leaves, axis_name, self._inv_world)
+
+    # ---- one iteration: begin, trigger, pack, launch
+    def _grad_step(self, fn):
+        """`step(static, params, state, batch, sync) -> (loss, aux, new_state, grads)` for
+        `fn(static, params, state, batch) -> (loss, (aux, new_state))`, the one form every
+        front end (value_and_grad, nnx_value_and_grad) reduces to: JAX's counterpart of forward.
+        `static` is hashable and fixed per trace (an NNX GraphDef); `state` is per rank and not
+        differentiated, and `state[0]` holds the buffers broadcast_buffers replaces with rank 0's
+        (None: no state)."""
+        local = jax.jit(jax.value_and_grad(fn, argnums=1, has_aux=True), static_argnums=0)
+
+        def local_step(static, params, state, batch):
+            (loss, (aux, new_state)), grads = local(static, params, state, batch)
+            return loss, aux, new_state, grads
+
+        program = self._trace_iteration(fn) if self.strategy == "hooked" else None
+
+        def xla_step(static, params, state, batch, scale):
+            """compiled, pmap: one XLA program holds the iteration's collectives."""
+            step = self._steps.get(fn)
+            if step is None:  # first call, or the plan changed ("auto"): compile with this plan
+                step = self._steps[fn] = compiled.make_step(self.strategy, self._plan, self._layout, fn,
+                                                            self.world_size, self.broadcast_buffers)
+            t0 = _now()
+            watchdog.step_started()
+            out = step.run(static, params, state, batch, scale)
+            jax.block_until_ready(out[-1])
+            watchdog.step_finished()
+            self._hlo, self._iteration_time = step.hlo, (_now() - t0) * 1e-9
+            self._iterations += 1
+            return out
+
+        def step(static, params, state, batch, sync: bool = True):
+            self._layout.check(params)  # the plan is sized for these shapes and dtypes
+            traced = _traced((params, state, batch))
+            joined = isinstance(batch, Joined)
+            if joined and (self._uneven is None or self._uneven.count == self.world_size):
+                raise ValueError(_JOINED_OUTSIDE)
+            if traced and sync and self.strategy != "hooked":
+                raise ValueError(
+                    f"strategy={self.strategy!r} runs its own program over every rank's device, which cannot be "
+                    f"traced into your {_transformation((params, state, batch))} over this process's arrays: call "
+                    "grad_fn outside any transformation (it is compiled already; jit the optimizer update on its "
+                    "own), or use strategy='hooked', which can be traced into jit and scan")
+            if traced and sync and _transformation((params, state, batch)) == "jax.vmap":
+                raise ValueError(taps.UNDER_VMAP)  # (vmap of a jit: taps.host_call refuses it when batched)
+            if traced and self.strategy == "hooked":
+                # Inside the caller's trace: the program is traced once, with today's plan, so the
+                # plan must not change under it -- no rebuild in this mode.
+                if self._tuner is not None:
+                    raise ValueError("bucket_cap_mb='auto' re-plans between grad_fn calls, which cannot happen "
+                                     "inside your own jax.jit: pass a number of MB, or call grad_fn outside jit")
+                self._rebuilt, self._rebuild_order = True, None
+            elif not traced:
+                if sync:
+                    self._autotune()
+                if self._rebuild_order is not None:
+                    self._rebuild()
+            if joined and (self.strategy == "hooked" or not sync):
+                return self._shadow_iteration(params, state, sync)
+            if not sync:
+                return flax_nnx.named_errors(local_step, static, params, state, batch)
+            if self.strategy != "hooked":
+                # Inside ddp.uneven() while some rank has joined: every rank runs the program that
+                # zeroes the gradients of the joined ranks (scale 0), which feed zeros shaped like a batch.
+                uneven = self._uneven is not None and self._uneven.count < self.world_size
+                if joined:
+                    out = xla_step(static, params, state, self._uneven.zeros_batch(), 0.0)
+                    return None, None, state, out[-1]
+                return flax_nnx.named_errors(xla_step, static, params, state, batch, 1.0 if uneven else None)
+            if traced:
+                return flax_nnx.named_errors(program, static, params, state, batch)
+            run = self._steps.get(program)
+            if run is None:  # first call, or the plan was rebuilt: trace again with the new taps
+                # A new function object each time: jax.jit caches traces per function.
+                run = self._steps[program] = jax.jit(lambda *args: program(*args), static_argnums=0)
+            self._callback_errors.clear()
+            try:
+                loss, aux, new_state, grads = flax_nnx.named_errors(run, static, params, state, batch)
+                return loss, aux, new_state, jax.block_until_ready(grads)
+            except Exception:
+                if not self._callback_errors:
+                    raise
+                raise self._callback_errors[0] from None  # portddp's own message, not XLA's wrapper
+
+        return step
+
+    def _trace_iteration(self, fn):
+        """The hooked synchronised step as one traceable program, in the order a gradient travels:
+        a host callback opens the iteration (`_begin_iteration`, after rank 0's buffers arrive,
+        `_sync_buffers`); each bucket's parameters pass a tap (`_make_tap`) whose backward hands
+        the bucket's gradients to the host (`_mark_ready`: pack, launch) as soon as XLA has them;
+        a last callback waits for every reduction (`_finalize`) and hands the reduced buckets back
+        into the program (`_write_grads`). It can therefore be wrapped in the caller's own jax.jit
+        (with the optimizer update, say); called eagerly, it is jitted here."""
+        errors = self._callback_errors
+
+        def forward_done(*_):
+            self._events.forward_end_ns = _now()
+            return np.float32(0)
+
+        # Identity on the loss whose backward records the end of forward. The loss itself is
+        # handed to the callback, so that it cannot be scheduled before the forward is done.
+        loss_tap = taps.host_tap(taps.reporting(forward_done, errors), keep_primal=True)
+
+        def finish(_launched):
+            self._finalize()
+            # XLA copies the callback's results into its own buffers: hand out views of the buckets.
+            return self._write_grads(on_host=True)
+
+        def program(static, params, state, batch):
+            dead: list[int] = []  # buckets whose taps never fire: read at run time, filled at trace time
+            start = taps.start_token(taps.reporting(lambda: self._begin_iteration(dead), errors))
+            bcast = self._will_sync_buffers(state)
+
+            def tapped(params, start_value, state):
+                if bcast:  # rank 0's buffers, Bcast before the iteration starts (the token waits for it)
+                    leaves, tree = jax.tree.flatten(state[0])
+                    *leaves, after = taps.host_call(
+                        taps.reporting(lambda *xs: [*self._sync_buffers(xs), np.float32(0)], errors),
+                        [*(jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves),
+                         jax.ShapeDtypeStruct((), jnp.float32)], *leaves)
+                    state = (jax.tree.unflatten(tree, leaves), *state[1:])
+                    start_value = start_value + after
+                token = start(start_value)
+                # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (grad_fn).
+                leaves = list(jax.tree_util.tree_leaves(params))
+                for b, bucket in enumerate(self._plan.buckets):
+                    ks = [self._layout.leaf_of[k] for k in bucket.params]
+                    for i, leaf in zip(ks, self._taps[b]([leaves[i] for i in ks], token)):
+                        leaves[i] = leaf
+                loss, aux = fn(static, jax.tree_util.tree_unflatten(self._layout.treedef, leaves), state, batch)
+                return loss_tap(loss, token), aux
+
+            self._tracing_fired = fired = set()
+            try:
+                (loss, (aux, new_state)), (_, launched) = jax.value_and_grad(tapped, argnums=(0, 1), has_aux=True)(
+                    params, jnp.float32(0), state)
+            finally:
+                self._tracing_fired = None
+            dead.extend(b for b in range(len(self._plan.buckets)) if b not in fired)
+            # `launched` depends on every live tap's callback: this one runs after the last launch.
+            return loss, aux, new_state, self._layout.to_tree(self._plan, taps.host_call(
+                taps.reporting(finish, errors), _reduced_shapes(self._plan), launched))
+
+        return program
+
+    def _begin_iteration(self, dead=()) -> np.float32:
+        """Open an iteration. The `dead` buckets (no tap fires: the loss uses none of their
+        leaves) are zeros and ready at once; they launch in plan order like the others.
+        The watchdog learns that a synchronised iteration is under way (a peer that already left
+        before reaching it stops this rank, naming it, instead of leaving it waiting)."""
+        watchdog.step_started()
+        n = len(self._buffers)
+        self._ready = [False] * n
+        self._next_launch = 0  # buckets launch strictly in plan order
+        self._handles: list = [None] * n
+        self._ready_order: list[int] = []
+        self._nonfinite = np.zeros(len(self._layout.names), np.int32)
+        self._events = IterationEvents(
+            rank=self.rank, forward_start_ns=_now(),
+            buckets=[BucketEvents(b, buf.nbytes) for b, buf in enumerate(self._buffers)])
+        for b in dead:
+            self._mark_ready(b, None)
+        return np.float32(0)
+
+    def _will_sync_buffers(self, state) -> bool:
+        """Whether a hooked step with this `state` broadcasts rank 0's buffers before the iteration."""
+        return (state is not None and self.broadcast_buffers and self.world_size > 1
+                and bool(jax.tree.leaves(state[0])))
+
+    def _sync_buffers(self, leaves) -> list[np.ndarray]:
+        """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast."""
+        arrays = [np.array(x) for x in leaves]
+        self._comm.broadcast_(arrays, src=0)
+        return arrays
+
+    def _make_tap(self, b: int):
+        """Identity on bucket b's parameters whose backward hands their gradients to `_mark_ready`.
+        When traced it records that it fires: JAX skips the rule of a tap whose outputs the loss
+        never uses, and such a bucket, not recorded, is launched as zeros (`dead`)."""
+
+        def traced() -> None:
+            if self._tracing_fired is not None:
+                self._tracing_fired.add(b)
+
+        return taps.host_tap(taps.reporting(lambda token, *grads: self._mark_ready(b, grads), self._callback_errors),
+                         on_trace=traced)
+
+    def _mark_ready(self, b: int, grads) -> np.float32:
+        """Bucket b's gradients have arrived (host side of its tap; None: zeros -- a dead bucket, or
+        a joined rank's): pack them, mark the bucket ready, launch what the plan order allows."""
+        now = _now()
+        bucket = self._plan.buckets[b]
+        if grads is not None and self.check_finite:
+            for k, g in zip(bucket.params, grads):
+                self._nonfinite[k] = not np.isfinite(g).all()
+        self._pack(b, grads, divide=self._hook is None)
+        with self._lock:
+            if grads is not None:
+                self._ready_order.extend(bucket.params)
+                self._events.backward_end_ns = max(self._events.backward_end_ns, now)
+            self._events.buckets[b].ready_ns = now
+            self._ready[b] = True
+            if self.overlap:
                 self._launch_ready_buckets()
-        self._finalize()
-        return self._unpack_host() if host else self._unpack()
+        return np.float32(0)
+
+    def _pack(self, b: int, grads, divide: bool) -> None:
+        """Copy bucket b's arrays (pytree layout, bucket order; None: zeros) into its flat buffer in
+        the canonical layout, divided by the world size unless a hook will divide."""
+        buf, bucket = self._buffers[b], self._plan.buckets[b]
+        if grads is None:
+            buf.fill(0)
+            return
+        for k, off, g in zip(bucket.params, bucket.offsets, grads):
+            src = self._layout.canonical(k, g)
+            dst = buf[off:off + src.size].reshape(src.shape)
+            if divide:
+                # Divide while copying: one pass over the gradient instead of two.
+                np.multiply(src, self._inv_world, out=dst, casting="unsafe")
+            else:
+                dst[...] = src
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self._buffers) and self._ready[self._next_launch]:
+            self._launch(self._next_launch)
+            self._next_launch += 1
+
+    def _launch(self, b: int) -> None:
+        self._events.buckets[b].launch_ns = _now()
+        self._handles[b] = self._reduce_bucket(b, self._buffers[b])
+
+    def _reduce_bucket(self, b: int, buffer: np.ndarray) -> Handle:
+        if self._hook is None:
+            return self._comm.allreduce(buffer)
+        try:
+            handle = self._hook(self._hook_state, self._grad_bucket(b, buffer))
+        except Exception as e:
+            raise RuntimeError(f"comm hook {_hook_name(self._hook)} raised {type(e).__name__} for bucket {b} "
+                               f"on rank {self.rank}: {e}") from e
+        if not isinstance(handle, Handle):
+            raise TypeError(
+                f"comm hook {_hook_name(self._hook)} returned {type(handle).__name__} for bucket {b}; a hook must "
+                "return a portddp.transport.Handle that is done once bucket.buffer() holds the reduced bucket "
+                "(e.g. bucket.allreduce(buffer), or Handle.completed(buffer))")
+        return handle
+
+    def _check_hook_result(self, b: int, handle: Handle) -> None:
+        """Wait for a hook's handle; its result must be the reduced bucket: its buffer (reduced in
+        place) or an array of its size, copied in (as native's future value is)."""
+        name, expected = _hook_name(self._hook), self._buffers[b]
+        try:
+            result = handle.wait()
+        except Exception as e:
+            raise RuntimeError(f"comm hook {name}'s handle for bucket {b} raised {type(e).__name__} on rank "
+                               f"{self.rank}: {e}") from e
+        if result is expected:
+            return
+        if not isinstance(result, np.ndarray) or result.size != expected.size or not (
+                jnp.issubdtype(result.dtype, jnp.floating)):
+            got = (f"a {result.shape} {result.dtype} array" if isinstance(result, np.ndarray)
+                   else type(result).__name__)
+            raise RuntimeError(
+                f"comm hook {name}'s handle for bucket {b} resolved to {got}, but the bucket holds "
+                f"{expected.size} {expected.dtype} gradients: return the whole reduced bucket (bucket.buffer() "
+                "after the reduction), not a part or a summary of it")
+        if not np.shares_memory(result, expected):
+            expected[...] = result.reshape(-1)
+
+    # ---- finalize
+    def _finalize(self) -> None:
+        """After the computation: launch the rest, wait in plan order, agree on the used counts."""
+        for b in [b for b, ready in enumerate(self._ready) if not ready]:
+            self._mark_ready(b, None)  # only a safety net: taps that cannot fire were found at trace time
+        with self._lock:
+            self._launch_ready_buckets()
+        # After the buckets, as portddp.torch does: how many ranks produced each gradient. A JAX
+        # rank always has all of them; a PyTorch rank in the same job may not (portddp.protocol).
+        # With check_finite a second half counts, per parameter, the ranks with NaN/Inf in it.
+        n = len(self._layout.names)
+        flags = np.concatenate([np.ones(n, np.int32), self._nonfinite if self.check_finite else np.zeros(0, np.int32)])
+        used = self._exchange_used(flags)
+        for b, handle in enumerate(self._handles):
+            if self._hook is not None:
+                self._check_hook_result(b, handle)
+            else:
+                handle.wait()
+            self._events.buckets[b].done_ns = handle.done_ns
+        totals = used.wait()
+        watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
+        self._events.finalize_end_ns = _now()
+        self._last_events = self._events
+        self._iterations += 1
+        if not self._rebuilt and self._rebuild_order is None:
+            self._rebuild_order = self._ready_order
+        if totals[:n].min() < self.world_size:
+            self._raise_unused(totals[:n].tolist())
+        if totals[n:].any():
+            self._raise_nonfinite()
+
+    def _exchange_used(self, flags: np.ndarray) -> Handle:
+        return self._comm.allreduce(flags) if self.world_size > 1 else Handle.completed(flags)
+
+    def _raise_unused(self, counts: list[int]) -> None:
+        raise unused_parameters_error(self._layout.names, counts, self.world_size, self.rank, [1] * len(counts))
+
+    def _raise_nonfinite(self) -> None:
+        mine = [self._layout.names[k] for k in np.flatnonzero(self._nonfinite)]
+        raise nonfinite_error(self._comm.allgather_object(mine), self.rank)
+
+    def _write_grads(self, on_host: bool = False):
+        """The reduced buckets back into the pytree: a new one of jax arrays in its own layout; or,
+        `on_host` (for a host callback to hand XLA), one view of the buckets per parameter in plan
+        order, which the program turns into the pytree (Layout.to_tree)."""
+        specs = self._plan.specs
+        views = [buf[off:off + specs[k].numel].reshape(specs[k].shape) for buf, bucket in
+                 zip(self._buffers, self._plan.buckets) for k, off in zip(bucket.params, bucket.offsets)]
+        # Copy: the buffers are reused by the next iteration.
+        return views if on_host else self._layout.to_tree(self._plan, [jnp.array(v, copy=True) for v in views])
+
+    # ---- join/uneven
+    def _shadow_iteration(self, params, state, sync: bool):
+        """ddp.uneven(): this rank has no batch; issue the collectives of the others' synchronised
+        step (the order of _trace_iteration: rank 0's buffers if their program broadcasts them,
+        every bucket -- zeros -- and the used counts) and return their mean, without a forward.
+        Eagerly, or inside the caller's jit as one host callback."""
+        if not sync:
+            return None, None, state, _zeros_like(params)
+        buffers = jax.tree.leaves(state[0]) if self._will_sync_buffers(state) else []
+
+        def shadow(*buffers):
+            if buffers:
+                self._sync_buffers(buffers)
+            self._begin_iteration()
+            for b in range(len(self._buffers)):
+                self._mark_ready(b, None)
+            self._finalize()
+            return self._write_grads(on_host=True)
+
+        if _traced(params):
+            reduced = taps.host_call(taps.reporting(shadow, self._callback_errors), _reduced_shapes(self._plan),
+                                     *buffers)
+        else:
+            reduced = [jnp.array(v, copy=True) for v in shadow(*buffers)]
+        return None, None, state, self._layout.to_tree(self._plan, reduced)
+
+    # ---- rebuild/autotune
+    def _rebuild(self) -> None:
+        """Re-plan once from the order gradients really arrived in (rank 0's, broadcast), at the
+        call after the first synchronised one, as portddp.torch does at its next forward."""
+        order = np.full(len(self._layout.names), -1, np.int64)
+        if self._rebuild_order is not None:
+            order[: len(self._rebuild_order)] = self._rebuild_order
+        self._comm.broadcast_([order], src=0)
+        self._observed_order = [int(i) for i in order if i >= 0]
+        self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
+                                        self.first_bucket_cap_mb))
+        self._rebuild_order = None
+        self._rebuilt = True
+
+    def _autotune(self) -> None:
+        """bucket_cap_mb="auto": the cap this call uses; re-plan when it changes (which re-traces)."""
+        if self._tuner is None or self._tuner.done:
+            return
+        cap = self._tuner.start_iteration(_now())
+        if cap is None:  # trials over: agree on the winner (a collective, on every rank)
+            cap = self._tuner.decide(self._comm.allgather_object, self.rank)
+        if cap != self.bucket_cap_mb:
+            self.bucket_cap_mb = cap
+            order = self._observed_order
+            # Hooked: the observed order (or the pending rebuild uses the new cap); others: the initial order.
+            if self._rebuild_order is None:
+                self._install_plan(rebuild_plan(self._plan, order, cap, self.first_bucket_cap_mb) if order is not None
+                                   else plan_buckets(self._plan.specs, cap, self.first_bucket_cap_mb))
 
     def plan_state(self) -> dict:
         """The bucket plan in use and the cap it was made with, as plain JSON (what a checkpoint keeps
@@ -966,7 +824,7 @@ class DistributedDataParallel:
         if self.strategy == "hooked":
             self._rebuilt = True
 
-    # ------------------------------------------------------------------ stats
+    # ---- stats
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         extra = {"iterations": self._iterations, "bucket_cap_mb": self.bucket_cap_mb}
@@ -979,67 +837,26 @@ class DistributedDataParallel:
         return self._last_events.stats() | extra | {"plan_rebuilt": self._rebuilt}
 
 
-class Canonical(NamedTuple):
-    """How one pytree leaf appears in the bucket plan: under `name`, transposed by `perm`.
-
-    With these, a JAX rank uses the exact names, shapes and flat layout of a
-    PyTorch twin (portddp.models.jax_canonical builds them), which is what lets
-    one job mix the two frameworks (comparisons/mixed.py)."""
-
-    leaf: str  # jax.tree_util.keystr of the leaf's path
-    name: str  # the name every rank agrees on, e.g. the PyTorch parameter name
-    perm: tuple[int, ...] | None  # canonical array = leaf.transpose(perm); None: as is
+def _reduced_shapes(plan: BucketPlan) -> list:
+    """What the host hands back into a traced program: one array per parameter, in plan order."""
+    return [jax.ShapeDtypeStruct(plan.specs[k].shape, jnp.dtype(plan.specs[k].dtype))
+            for bucket in plan.buckets for k in bucket.params]
 
 
-def _host_tap(on_backward, keep_primal: bool = False, on_trace=None):
-    """`tap(x, token) -> x`, whose backward rule calls `on_backward` on the host (io_callback)
-    with (the primal value if `keep_primal`,) the token and the cotangents of x, as soon as XLA
-    has computed them. It passes the cotangents on unchanged, and the callback's float32 result
-    becomes the token's cotangent: whatever depends on that has to wait for the callback.
-
-    `on_trace()` runs when the backward rule is traced. JAX traces it only if some output of the
-    tap reaches the loss (unused outputs within it get zero cotangents, instantiated)."""
-
-    @jax.custom_vjp
-    def tap(x, token):
-        return x
-
-    def fwd(x, token):
-        return x, (x if keep_primal else None, token)
-
-    def bwd(residual, g):
-        if on_trace is not None:
-            on_trace()
-        done = io_callback(on_backward, jax.ShapeDtypeStruct((), jnp.float32), *jax.tree.leaves((residual, g)),
-                           ordered=False)
-        return g, done
-
-    tap.defvjp(fwd, bwd)
-    return tap
-
-
-def _permuted(shape: tuple[int, ...], perm) -> tuple[int, ...]:
-    return shape if perm is None else tuple(shape[p] for p in perm)
+def _hook_name(hook) -> str:
+    return str(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
 
 
 def _traced(tree) -> bool:
-    """Whether `tree` holds tracers: grad_fn is being traced into the caller's jit."""
+    """Whether `tree` holds tracers: grad_fn is being traced into the caller's jit, scan or vmap."""
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
-def _flax_errors(step, *args):
-    """Run `step`; Flax's error for state mutated across a trace boundary becomes portddp's, with the fix."""
-    try:
-        return step(*args)
-    except Exception as e:
-        if type(e).__name__ != "TraceContextError":
-            raise
-        raise RuntimeError(
-            f"loss_fn changed Flax NNX state that was not passed to grad_fn (Flax: {str(e).split(' (')[0]}): "
-            "portddp traces loss_fn into its own compiled step, so an nnx.Rngs (or any nnx.Variable) captured "
-            "from outside cannot be updated there. Keep it in the model -- e.g. nnx.Dropout(rate, rngs=rngs) "
-            "holds its own stream -- and use ddp.nnx_value_and_grad(loss_fn)(model, batch), which carries the "
-            "model's RNG state and buffers through the step") from None
+def _transformation(tree) -> str:
+    """Which transformation traces `tree`, as named in error messages."""
+    if any(type(x).__name__ == "BatchTracer" for x in jax.tree_util.tree_leaves(tree)):
+        return "jax.vmap"
+    return "jax.jit (or lax.scan, nnx.jit: any trace)"
 
 
 def _checked_loss(loss_fn, has_aux: bool):

@@ -44,7 +44,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["broadcast", "is_module", "params_of", "split", "value_and_grad"]
+__all__ = ["broadcast", "is_module", "named_errors", "params_of", "split", "value_and_grad"]
 
 
 def _nnx():
@@ -89,16 +89,31 @@ def broadcast(ddp, model):
     _graphdef, params, buffers, _other = split(model)
     params = ddp.broadcast(params)
     leaves = jax.tree_util.tree_flatten_with_path(buffers)[0]
-    if ddp._transport is not None and ddp.world_size > 1:
-        everyone = ddp._transport.allgather_object({
+    if ddp.world_size > 1:
+        everyone = ddp._comm.allgather_object({
             "broadcast_buffers": ddp.broadcast_buffers,
             "specs": [(jax.tree_util.keystr(p), tuple(jnp.shape(x)), jnp.dtype(x.dtype).name) for p, x in leaves]})
         check_same_config([{"broadcast_buffers": e["broadcast_buffers"]} for e in everyone])
         check_same_specs([e["specs"] for e in everyone], "model buffers differ across ranks", "buffer", "buffers")
-    values = ddp._broadcast_leaves([x for _, x in leaves])
+    values = ddp._sync_buffers([x for _, x in leaves])
     buffers = jax.tree.unflatten(jax.tree.structure(buffers), [jnp.asarray(v) for v in values])
     _nnx().update(model, params, buffers)
     return model
+
+
+def named_errors(step, *args):
+    """Run `step`; Flax's error for state mutated across a trace boundary becomes portddp's, with the fix."""
+    try:
+        return step(*args)
+    except Exception as e:
+        if type(e).__name__ != "TraceContextError":
+            raise
+        raise RuntimeError(
+            f"loss_fn changed Flax NNX state that was not passed to grad_fn (Flax: {str(e).split(' (')[0]}): "
+            "portddp traces loss_fn into its own compiled step, so an nnx.Rngs (or any nnx.Variable) captured "
+            "from outside cannot be updated there. Keep it in the model -- e.g. nnx.Dropout(rate, rngs=rngs) "
+            "holds its own stream -- and use ddp.nnx_value_and_grad(loss_fn)(model, batch), which carries the "
+            "model's RNG state and buffers through the step") from None
 
 
 def value_and_grad(ddp, loss_fn, has_aux: bool):

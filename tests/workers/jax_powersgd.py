@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from portddp.data import regression_batch  # noqa: E402
 from portddp.jax import Canonical, DistributedDataParallel, GradBucket, PowerSGDState, powerSGD_hook  # noqa: E402
-from portddp.transport import get_transport  # noqa: E402
+from portddp.jax.comm import MPIComm  # noqa: E402
 from tests.workers import common  # noqa: E402
 
 IN, HID, OUT, BATCH, LR = 16, 32, 4, 8, 0.05
@@ -69,8 +69,8 @@ class JaxBucket(GradBucket):
 
     def __init__(self, index, buffer, shapes, num_buckets):
         offsets = np.cumsum([0] + [int(np.prod(s)) for s in shapes])[:-1]
-        super().__init__(index, buffer, [str(s) for s in shapes], num_buckets, get_transport(), WORLD.size,
-                         [(int(o), tuple(s)) for o, s in zip(offsets, shapes)])
+        grads = [buffer[o:o + int(np.prod(s))].reshape(s) for o, s in zip(offsets, shapes)]
+        super().__init__(index, buffer, [str(s) for s in shapes], grads, num_buckets, MPIComm())
 
 
 def hooks_alone(name, buckets, iters=6, dtype=np.float32, **kw):

@@ -1,0 +1,91 @@
+"""Who portddp.jax talks to, one interface: the twin of portddp/torch/comm.py.
+
+`allreduce(buf)` sums a numpy buffer in place across ranks and returns a
+`portddp.transport.Handle` at once (the JAX side's future). `broadcast_(arrays)`
+and `allgather_object(obj)` block and are used outside the backward pass
+(construction, buffer sync, plan rebuild, agreements).
+
+strategy="hooked" and "compiled" run one rank per MPI process (MPIComm: the
+hooked gradients travel here; the compiled ones inside XLA, so there the comm
+only carries the construction checks and agreements). strategy="pmap" runs
+every rank as a device of this one process (LocalComm): nothing to exchange.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from portddp import launch
+from portddp.transport import Handle, get_transport
+
+__all__ = ["LocalComm", "MPIComm", "TRANSPORTS", "make_comm"]
+
+TRANSPORTS = ("mpi",)
+
+
+class MPIComm:
+    """mpi4py collectives run on portddp's comm thread (portddp.transport)."""
+
+    name = "mpi"
+
+    def __init__(self):
+        self.transport = get_transport()
+        self.rank = self.transport.rank
+        self.size = self.transport.size
+        launched = launch.world()
+        if launched.size != self.size:
+            raise RuntimeError(
+                f"portddp.jax talks over MPI, whose world here has {self.size} rank(s), but the launcher "
+                f"({launched.launcher}) started {launched.size}: launch with `mpirun -n {launched.size} python "
+                "...` (or use strategy='pmap' within one process)")
+
+    def allreduce(self, buf: np.ndarray) -> Handle:
+        return self.transport.allreduce(buf)
+
+    def broadcast_(self, arrays: list[np.ndarray], src: int = 0) -> None:
+        """Overwrite `arrays` (C-contiguous numpy) with rank `src`'s values in one Bcast: typed for
+        one array of a builtin numeric dtype (a bucket, as portddp.torch sends it), else as bytes."""
+        if self.size == 1 or not arrays:
+            return
+        if len(arrays) == 1 and (arrays[0].dtype.kind in "fiu" or arrays[0].dtype.name == "bfloat16"):
+            self.transport.broadcast(arrays[0], root=src).wait()
+            return
+        flat = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+        self.transport.broadcast(flat, root=src).wait()
+        offset = 0
+        for a in arrays:
+            a.reshape(-1).view(np.uint8)[...] = flat[offset:offset + a.nbytes]
+            offset += a.nbytes
+
+    def allgather_object(self, obj) -> list:
+        return self.transport.allgather_object(obj)
+
+
+class LocalComm:
+    """strategy='pmap': the ranks are this process's devices, which share its host values -- rank
+    0's already, and the same on every rank; XLA (jax.pmap) reduces the gradients."""
+
+    name = "local"
+    rank = 0
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def allreduce(self, buf: np.ndarray) -> Handle:
+        """Every rank holds this process's `buf`: their sum is size x it."""
+        np.multiply(buf, self.size, out=buf, casting="unsafe")
+        return Handle.completed(buf)
+
+    def broadcast_(self, arrays: list[np.ndarray], src: int = 0) -> None:
+        pass  # one process: its values are rank 0's
+
+    def allgather_object(self, obj) -> list:
+        return [obj]  # one process speaks for all its ranks
+
+
+def make_comm(strategy: str, pmap_devices: int | None = None):
+    if strategy == "pmap":
+        from portddp.jax.compiled import pmap_world  # noqa: PLC0415
+
+        return LocalComm(pmap_world(pmap_devices))
+    return MPIComm()

@@ -1,0 +1,131 @@
+"""The pytree a portddp.jax DistributedDataParallel was built for, and its canonical layout.
+
+The bucket plan (portddp.buckets) numbers parameters k = 0, 1, ... in registration
+order and knows each one's name, shape and dtype -- the PyTorch twin's, in a job that
+mixes frameworks. A pytree numbers its leaves in its own flatten order, names them by
+key path (`jax.tree_util.keystr`) and may store a weight transposed (Flax's Dense
+kernel is (in, out), torch's Linear weight (out, in)). `Layout` is the map between
+the two: `leaf_of[k]` is parameter k's leaf, `perm[k]` how to transpose it into the
+canonical layout. Everything in portddp.jax past this module speaks parameter k.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from portddp.buckets import BucketPlan, ParamSpec
+
+__all__ = ["Canonical", "Layout"]
+
+
+class Canonical(NamedTuple):
+    """How one pytree leaf appears in the bucket plan: under `name`, transposed by `perm`.
+
+    With these, a JAX rank uses the exact names, shapes and flat layout of a
+    PyTorch twin (portddp.models.jax_canonical builds them), which is what lets
+    one job mix the two frameworks (comparisons/mixed.py)."""
+
+    leaf: str  # jax.tree_util.keystr of the leaf's path
+    name: str  # the name every rank agrees on, e.g. the PyTorch parameter name
+    perm: tuple[int, ...] | None  # canonical array = leaf.transpose(perm); None: as is
+
+
+class Layout:
+    """Pytree <-> parameters in registration order, canonical layout.
+
+    Args: the parameter pytree; `order` (leaf names in registration order) or
+    `canonical` (a Canonical per parameter, in registration order); neither: the
+    pytree's leaf order under its own names."""
+
+    def __init__(self, params, order=None, canonical=None):
+        if order is not None and canonical is not None:
+            raise ValueError("pass order= or canonical= (which implies the order), not both")
+        paths, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        self.leaf_names = [jax.tree_util.keystr(p) for p, _ in paths]
+        leaves = [leaf for _, leaf in paths]
+        if not leaves:
+            raise ValueError("DistributedDataParallel needs a pytree with at least one array leaf")
+        keys = [n for n, x in zip(self.leaf_names, leaves) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+        if keys:
+            raise ValueError(
+                f"leaf {keys[0]} is a JAX PRNG key, which is not a parameter: keep random state out of the "
+                "parameters (for Flax NNX: in nnx.Rngs, whose RngState nnx_value_and_grad carries per rank; "
+                "pass nnx.state(model, nnx.Param) or the model itself)")
+        not_float = [(n, np.dtype(x.dtype).name) for n, x in zip(self.leaf_names, leaves)
+                     if not jnp.issubdtype(x.dtype, jnp.floating)]
+        if not_float:
+            raise ValueError(
+                f"leaf {not_float[0][0]} has dtype {not_float[0][1]}, which has no gradient: pass only the "
+                "trainable floating-point parameters (for Flax NNX: nnx.state(model, nnx.Param)) and keep "
+                f"integer state elsewhere ({len(not_float)} such leaves)")
+        self.leaf_shapes = [tuple(np.shape(x)) for x in leaves]
+        self.leaf_dtypes = [np.dtype(x.dtype).name for x in leaves]
+        if canonical is None:
+            ks = range(len(leaves)) if order is None else self._indices(order, "order")
+            canonical = [Canonical(self.leaf_names[i], self.leaf_names[i], None) for i in ks]
+        self.leaf_of = self._indices([c.leaf for c in canonical], "canonical")
+        self.perm = [c.perm for c in canonical]
+        self.names = [c.name for c in canonical]
+
+    def _indices(self, names, what: str) -> list[int]:
+        index = {n: i for i, n in enumerate(self.leaf_names)}
+        unknown = [n for n in names if n not in index]
+        if unknown or len(names) != len(index) or len(set(names)) != len(names):
+            missing = sorted(set(index) - set(names))
+            raise ValueError(
+                f"{what} must list every parameter name exactly once; unknown: {unknown[:5]}, missing: "
+                f"{missing[:5]} (names are jax.tree_util.keystr of the leaf paths, e.g. {self.leaf_names[0]!r})")
+        return [index[n] for n in names]
+
+    def specs(self, tree) -> list[ParamSpec]:
+        """The (name, shape, dtype) of each parameter of `tree` in registration order and canonical
+        layout -- or, for a tree of another structure, of each leaf (and the check will say where)."""
+        paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        if treedef != self.treedef:
+            return [ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), np.dtype(x.dtype).name) for p, x in paths]
+        return [ParamSpec(self.names[k], _permuted(tuple(np.shape(paths[i][1])), self.perm[k]),
+                          np.dtype(paths[i][1].dtype).name) for k, i in enumerate(self.leaf_of)]
+
+    def check(self, tree) -> list:
+        """`tree`'s leaves, after checking it is the pytree we were built with: the same structure
+        and, leaf by leaf, the same shape and dtype (works on tracers too: shapes are static)."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
+                             f" got {treedef}, expected {self.treedef}")
+        for name, shape, dtype, leaf in zip(self.leaf_names, self.leaf_shapes, self.leaf_dtypes, leaves):
+            if tuple(np.shape(leaf)) != shape or np.dtype(leaf.dtype).name != dtype:
+                raise ValueError(
+                    f"leaf {name} is {tuple(np.shape(leaf))} {np.dtype(leaf.dtype).name} here, but "
+                    f"DistributedDataParallel was built for {shape} {dtype}: the bucket plan and its buffers are "
+                    "sized for the parameters it was given; build a new DistributedDataParallel for new shapes")
+        return leaves
+
+    def leaves_of(self, tree) -> dict[int, object]:
+        """{parameter k: its leaf} of a checked `tree`."""
+        leaves = self.check(tree)
+        return {k: leaves[i] for k, i in enumerate(self.leaf_of)}
+
+    def canonical(self, k: int, leaf) -> np.ndarray:
+        """Parameter k's leaf as a numpy array in the canonical layout."""
+        leaf = np.asarray(leaf)
+        return leaf if self.perm[k] is None else leaf.transpose(self.perm[k])
+
+    def to_tree(self, plan: BucketPlan, values: list):
+        """Per-parameter arrays in plan order (canonical layout) -> the pytree, in its own layout.
+        Inside a traced program or eagerly (jax or numpy arrays)."""
+        out = [None] * len(self.leaf_names)
+        ks = [k for bucket in plan.buckets for k in bucket.params]
+        for k, value in zip(ks, values):
+            if self.perm[k] is not None:
+                value = value.transpose(tuple(np.argsort(self.perm[k])))
+            out[self.leaf_of[k]] = value
+        return jax.tree_util.tree_unflatten(self.treedef, out)
+
+
+def _permuted(shape: tuple[int, ...], perm) -> tuple[int, ...]:
+    return shape if perm is None else tuple(shape[p] for p in perm)

@@ -1,0 +1,96 @@
+"""How XLA hands a value to the host in the middle of a program: the pieces every traced
+iteration of portddp.jax's hooked strategy is made of (DistributedDataParallel._trace_iteration).
+
+JAX has no autograd hooks, but a `jax.custom_vjp` function chooses its own backward
+rule, and that rule may call the host with `io_callback`. `host_tap` is such an
+identity: XLA runs its callback the moment the cotangents it was given exist, which
+for a bucket's parameters is the moment their gradients exist -- DDP's "gradient
+ready" signal. Data dependencies, not program order, schedule an unordered
+callback, so the pieces pass a scalar "token" around: `start_token` opens the
+iteration and every tap takes its output (no tap can run before the start), and
+every tap's callback returns the token's cotangent (whatever needs every bucket
+launched waits on their sum).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import io_callback
+
+__all__ = ["UNDER_VMAP", "host_call", "host_tap", "reporting", "start_token"]
+
+UNDER_VMAP = (
+    "portddp.jax grad_fn (strategy='hooked') cannot run under jax.vmap: its collectives are host callbacks "
+    "that reduce one set of gradients per synchronised step, and vmap would run them once per mapped element "
+    "(every rank averaging the wrong gradients). Call grad_fn once per step on this rank's whole batch -- vmap "
+    "inside loss_fn is fine -- or loop over steps with a Python loop or jax.lax.scan")
+
+
+def host_call(callback, result, *args):
+    """`io_callback(callback, result, *args)`, refused under jax.vmap (JAX would call it once per
+    element, which no collective survives). Unordered: XLA runs it as soon as its inputs exist."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return io_callback(callback, result, *args, ordered=False)
+
+    @call.def_vmap
+    def _refuse(axis_size, in_batched, *args):
+        raise ValueError(UNDER_VMAP)
+
+    return call(*args)
+
+
+def host_tap(on_backward, keep_primal: bool = False, on_trace=None):
+    """`tap(x, token) -> x`, whose backward rule calls `on_backward` on the host with (the primal
+    value if `keep_primal`,) the token and the cotangents of x, as soon as XLA has computed them.
+    It passes the cotangents on unchanged, and the callback's float32 result becomes the token's
+    cotangent: whatever depends on that has to wait for the callback.
+
+    `on_trace()` runs when the backward rule is traced. JAX traces it only if some output of the
+    tap reaches the loss (unused outputs within it get zero cotangents, instantiated)."""
+
+    @jax.custom_vjp
+    def tap(x, token):
+        return x
+
+    def fwd(x, token):
+        return x, (x if keep_primal else None, token)
+
+    def bwd(residual, g):
+        if on_trace is not None:
+            on_trace()
+        done = host_call(on_backward, jax.ShapeDtypeStruct((), jnp.float32), *jax.tree.leaves((residual, g)))
+        return g, done
+
+    tap.defvjp(fwd, bwd)
+    return tap
+
+
+def start_token(on_forward):
+    """`start(x) -> token`, whose forward calls `on_forward()` on the host (it opens the
+    iteration). Every tap takes the token, so no tap's callback can run before it; the taps'
+    callbacks return the token's cotangents, which flow back into `start`'s input -- a value that
+    exists only once every bucket has been launched."""
+
+    @jax.custom_vjp
+    def start(x):
+        return host_call(lambda _x: on_forward(), jax.ShapeDtypeStruct((), jnp.float32), x)
+
+    start.defvjp(lambda x: (start(x), None), lambda _, ct: (ct,))
+    return start
+
+
+def reporting(callback, errors: list):
+    """`callback` as a host callback: an exception it raises is also kept in `errors`, so that
+    grad_fn raises portddp's message instead of XLA's wrapper around it."""
+
+    def run(*args):
+        try:
+            return callback(*args)
+        except Exception as e:
+            errors.append(e)
+            raise
+
+    return run
