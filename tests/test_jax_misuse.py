@@ -1,0 +1,59 @@
+"""Misuses of portddp.jax that gave wrong results with exit 0 or raw errors (issue 17): each one
+now fails on every rank naming the culprit and the fix, or gives correct results where legal.
+Two jobs of 2 ranks: every in-process case in one (tests/workers/jax_misuse.py), and a comm hook
+raising on one rank (which ends the job)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import mpi
+
+VMAP = r"cannot run under jax\.vmap: .* Call grad_fn once per step on this rank's whole batch"
+TRACED = (r"strategy='compiled' runs its own program .* cannot be traced into your {} over this process's arrays: "
+          r"call grad_fn outside any transformation .* or use strategy='hooked'")
+CASES = {
+    "hooked_under_scan": r"OK max_rel=",
+    "hooked_vmap": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) " + VMAP,
+    "hooked_vmap_of_jit": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) " + VMAP,
+    "compiled_vmap": "ValueError: " + TRACED.format(r"jax\.vmap"),
+    "compiled_scan": "ValueError: " + TRACED.format(r"jax\.jit \(or lax\.scan, nnx\.jit: any trace\)"),
+    "other_shapes_hooked": r"ValueError: leaf \['dec'\]\['w'\] is \(4, 3\) float32 here, but DistributedDataParallel "
+                           r"was built for \(4, 2\) float32: .*build a new DistributedDataParallel",
+    "other_shapes_compiled": r"ValueError: leaf \['dec'\]\['w'\] is \(4, 3\) float32 here, but .* \(4, 2\) float32",
+    "other_dtype_hooked": r"ValueError: leaf \['dec'\]\['w'\] is \(4, 2\) bfloat16 here, but .* \(4, 2\) float32",
+    "hook_not_a_handle": r"TypeError: comm hook .*not_a_handle returned ndarray for bucket 0; a hook must return a "
+                         r"portddp\.transport\.Handle",
+    "hook_one_element": r"RuntimeError: comm hook .*one_element's handle for bucket 0 resolved to a \(1,\) float32 "
+                        r"array, but the bucket holds \d+ float32 gradients: return the whole reduced bucket",
+    "hook_half_bucket": r"RuntimeError: comm hook .*half_bucket's handle for bucket 0 resolved to a \(\d+,\) float32 "
+                        r"array, but the bucket holds \d+ float32 gradients",
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    proc = mpi.run(2, "tests.workers.jax_misuse", timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {(name, int(rank)): outcome for name, rank, outcome in re.findall(r"CASE (\S+) rank=(\d) (.*)", proc.stdout)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_misuse_is_named_on_every_rank(outcomes, case):
+    for rank in range(2):
+        assert re.search(CASES[case], outcomes.get((case, rank), "(missing)")), (rank, outcomes.get((case, rank)))
+
+
+def test_a_raising_comm_hook_is_named_on_its_rank_and_stops_the_others():
+    """Rank 1's hook raises ValueError: rank 1 raises portddp's error naming the hook, the bucket and
+    the original error (not XLA's "CpuCallback error"); rank 0's watchdog stops it, naming rank 1."""
+    proc = mpi.run(2, "tests.workers.jax_misuse", "hook_raises", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(r"RuntimeError: comm hook .*flaky_hook raised ValueError for bucket \d+ on rank 1: boom in the "
+                     r"hook", out), out[-3000:]
+    assert re.search(r"portddp: rank 1 .* failed with RuntimeError: comm hook .*flaky_hook raised ValueError", out), \
+        out[-3000:]
+    assert "CpuCallback error" not in out, out[-3000:]

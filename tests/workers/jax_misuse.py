@@ -1,0 +1,165 @@
+"""Misuses of portddp.jax that used to give wrong results or raw errors (issue 17, JAX items),
+run by tests/test_jax_misuse.py:
+
+    mpirun -n 2 python -m tests.workers.jax_misuse            # every in-process case, one line each
+    mpirun -n 2 python -m tests.workers.jax_misuse hook_raises # rank 1's comm hook raises: the job ends
+
+Each in-process case prints `CASE <name> rank=<r> <outcome>` on every rank, where the outcome
+is `OK <detail>` or `<ExceptionType>: <message>`; every case fails (or succeeds) alike on every
+rank before it leaves a collective half done, so the next case starts clean.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import portddp
+
+HOOK_RAISES = sys.argv[1:2] == ["hook_raises"]
+WORLD = portddp.init(torch_distributed=False, jax_distributed=not HOOK_RAISES)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from portddp.jax import DistributedDataParallel, allreduce_hook  # noqa: E402
+from portddp.transport import get_transport  # noqa: E402
+
+CAP_MB = 40 / 2**20  # a few buckets
+
+
+def init_params():
+    rng = np.random.default_rng(0)
+    return {"enc": {"w": jnp.asarray(rng.standard_normal((4, 4)), jnp.float32), "b": jnp.zeros(4, jnp.float32)},
+            "dec": {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)}}
+
+
+def loss_fn(p, x):
+    return jnp.mean(jnp.tanh(x @ p["enc"]["w"] + p["enc"]["b"]) @ p["dec"]["w"])
+
+
+def batch(step: int, rows: int = 3):
+    return jnp.asarray(np.random.default_rng(100 * step + WORLD.rank).standard_normal((rows, 4)), jnp.float32)
+
+
+def rel(a, b) -> float:
+    return max(float(jnp.max(jnp.abs(x - y)) / max(1.0, float(jnp.max(jnp.abs(y)))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def hooked_under_scan():
+    """Legal: lax.scan over two steps of a hooked grad_fn gives the eager steps' gradients."""
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
+    eager = [grad_fn(params, batch(s))[1] for s in range(2)]
+    _, scanned = jax.lax.scan(lambda c, x: (c, grad_fn(params, x)[1]), 0, jnp.stack([batch(0), batch(1)]))
+    worst = max(rel(jax.tree.map(lambda g: g[s], scanned), eager[s]) for s in range(2))
+    assert worst < 1e-6, worst
+    return f"max_rel={worst:.1e}"
+
+
+def hooked_vmap():
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
+    jax.vmap(grad_fn, in_axes=(None, 0))(params, jnp.stack([batch(0), batch(1)]))
+
+
+def hooked_vmap_of_jit():
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
+    jax.vmap(jax.jit(grad_fn), in_axes=(None, 0))(params, jnp.stack([batch(0), batch(1)]))
+
+
+def compiled_vmap():
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, strategy="compiled").value_and_grad(loss_fn)
+    jax.vmap(grad_fn, in_axes=(None, 0))(params, jnp.stack([batch(0), batch(1)]))
+
+
+def compiled_scan():
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, strategy="compiled").value_and_grad(loss_fn)
+    jax.lax.scan(lambda c, x: (c, grad_fn(params, x)[1]), 0, jnp.stack([batch(0), batch(1)]))
+
+
+def other_shapes(strategy: str):
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, strategy=strategy).value_and_grad(loss_fn)
+    grad_fn(params, batch(0))
+    bigger = {**params, "dec": {"w": jnp.zeros((4, 3), jnp.float32)}}
+    grad_fn(bigger, batch(1))
+
+
+def other_dtype():
+    params = init_params()
+    grad_fn = DistributedDataParallel(params).value_and_grad(loss_fn)
+    grad_fn(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), batch(0).astype(jnp.bfloat16))
+
+
+def with_hook(hook):
+    params = init_params()
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    ddp.register_comm_hook(None, hook)
+    ddp.value_and_grad(loss_fn)(params, batch(0))
+
+
+def not_a_handle(state, bucket):
+    allreduce_hook(state, bucket).wait()
+    return bucket.buffer()  # the array, not its Handle
+
+
+def one_element(state, bucket):
+    return bucket.allreduce(bucket.buffer()[:1].copy())
+
+
+def half_bucket(state, bucket):
+    return bucket.allreduce(bucket.buffer()[: bucket.buffer().size // 2].copy())
+
+
+CASES = {
+    "hooked_under_scan": hooked_under_scan,
+    "hooked_vmap": hooked_vmap,
+    "hooked_vmap_of_jit": hooked_vmap_of_jit,
+    "compiled_vmap": compiled_vmap,
+    "compiled_scan": compiled_scan,
+    "other_shapes_hooked": lambda: other_shapes("hooked"),
+    "other_shapes_compiled": lambda: other_shapes("compiled"),
+    "other_dtype_hooked": other_dtype,
+    "hook_not_a_handle": lambda: with_hook(not_a_handle),
+    "hook_one_element": lambda: with_hook(one_element),
+    "hook_half_bucket": lambda: with_hook(half_bucket),
+}
+
+
+def hook_raises():
+    """Rank 1's comm hook raises: its error names the hook, the bucket and the original error; the
+    other ranks are stopped by the watchdog, naming rank 1 (nothing is caught here)."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+
+    def flaky_hook(state, bucket):
+        if WORLD.rank == 1:
+            raise ValueError("boom in the hook")
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, flaky_hook)
+    ddp.value_and_grad(loss_fn)(params, batch(0))
+
+
+def main() -> None:
+    if HOOK_RAISES:
+        hook_raises()
+        return
+    for name, case in CASES.items():
+        try:
+            outcome = f"OK {case() or ''}"
+        except Exception as e:  # the message is what is under test
+            outcome = f"{type(e).__name__}: {e}"
+        # one write() per line: mpirun does not split it when it merges the ranks' output
+        os.write(1, f"CASE {name} rank={WORLD.rank} {outcome}\n".encode())
+    get_transport().barrier()  # leave together
+
+
+if __name__ == "__main__":
+    main()
