@@ -80,7 +80,7 @@ class Trace:
 
     @classmethod
     def from_row(cls, row: dict, world: int) -> "Trace":
-        """From a row of an experiment JSON (experiments/runner.py): events, plan, median step time."""
+        """From a row of an experiment JSON (harness/runner.py): events, plan, median step time."""
         ev = row.get("events")
         if not ev or not ev.get("forward_end_ns") or not ev.get("buckets"):
             raise ValueError(f"{row.get('label')!r} has no per-bucket events (a compiled strategy schedules its "
