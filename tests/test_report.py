@@ -83,3 +83,23 @@ def test_cli_help_and_unknown_experiment():
     bad = mpi.run(None, "portddp.cli", "run", "warp_drive", timeout=60)
     assert bad.returncode != 0 and "invalid choice: 'warp_drive'" in bad.stderr and "bucket_sweep" in bad.stderr
     assert sys.executable
+
+
+def test_benchmark_section_comes_from_the_json_alone(tmp_path):
+    """The report shows the benchmark's own ratios, headline and CPU columns, from its JSON (no
+    experiment code is imported to recompute them)."""
+    import portddp  # noqa: PLC0415
+
+    cpu = {"total": 0.08, "main": 0.06, "comm": 0.018, "xla": 0.0, "other": 0.002, "wall": 0.2, "per_rank": []}
+    rows = [{"label": label, "impl": label, "group": "gelu-mlp", "params": {"model": "gelu-mlp"}, "metrics": {},
+             "median_s": s, "times_s": [s, s], "vs_native": s / 0.2, "vs_limit": s / 0.1, "cpu": cpu}
+            for label, s in (("torch-local", 0.1), ("native", 0.2))]
+    payload = {"experiment": "bench", "portddp_version": portddp.__version__, "command": "mpirun -n 2 python -m "
+               "experiments.bench", "rows": rows, "headline": {"torch_c10d_vs_native": 1.234}, "environment": {}}
+    (tmp_path / "bench-n2.json").write_text(json.dumps(payload))
+    proc = mpi.run(None, "comparisons.report", "--results", str(tmp_path), "--out", str(tmp_path / "rep"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "### gelu-mlp" in md and "| CPU ms / it | main | comm | xla | other |" in md
+    assert "| native | 200.0 (200–200) | 1.000 | 2.000 | – | – | 80.0 | 60.0 | 18.0 | 0.0 | 2.0 |" in md
+    assert "`torch_c10d_vs_native=1.234`" in md
