@@ -29,15 +29,12 @@ method names for the same roles. What JAX forces to differ:
   `lax.scan`): its collectives are host callbacks. Not into `jax.vmap`, which
   would run them once per batch element; "compiled" and "pmap" are programs
   over devices of their own (portddp/jax/compiled.py) and refuse any trace.
-* Uneven inputs: no `join()` context manager (there is no forward to hook a
-  shadow into). `for batch in ddp.uneven(batches)` agrees before each step on
-  which ranks still have a batch and yields `ddp.JOINED` to those that ran out;
-  their grad_fn issues the step's collectives with zero gradients
-  (`_shadow_iteration`) and returns the same mean, so every rank applies the
-  same update and nothing needs broadcasting at the end.
-* portddp.watchdog hears of every synchronised iteration: hooked, from the host
-  callbacks that open and finish it (so inside the caller's jit too); compiled
-  and pmap, around the XLA program; each `uneven()` agreement counts as one.
+* Uneven inputs: no `join()` context manager (no forward to hook a shadow
+  into): `for batch in ddp.uneven(batches)` yields `ddp.JOINED` to the ranks
+  that ran out, whose grad_fn issues the step's collectives with zero
+  gradients (`_shadow_iteration`) and returns the same mean as the others'.
+* portddp.watchdog hears of every synchronised iteration from the host
+  callbacks that open and finish it (hooked) or around the XLA program.
 
 strategy="compiled" and "pmap" leave the scheduling to XLA: one psum per bucket
 inside the compiled step, over all processes (shard_map) or over this
@@ -171,7 +168,6 @@ class DistributedDataParallel:
     JOINED = JOINED
     """What `uneven()` yields once this rank is out of batches; pass it to grad_fn as the batch."""
 
-    # ---- construction
     def __init__(self, params, bucket_cap_mb: float | str = 25.0, first_bucket_cap_mb: float = 1.0,
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
                  canonical=None, pmap_devices: int | None = None, check_finite: bool = False,
@@ -202,7 +198,6 @@ class DistributedDataParallel:
             check_same_config(launch.allgather_object(config.exchanged(
                 transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})")))
         self._comm = make_comm(strategy, pmap_devices)
-        self._transport = getattr(self._comm, "transport", None)  # (what portddp/checkpoint.py reads)
         self.world_size = self._comm.size
         self.rank = self._comm.rank
         self._inv_world = 1.0 / self.world_size
@@ -225,6 +220,7 @@ class DistributedDataParallel:
         self._iteration_time = 0.0  # compiled, pmap: seconds of the last step
         self._hlo: dict = {}  # compiled, pmap: what XLA made of the last step
 
+    # ---- construction
     def _specs(self, tree) -> list[ParamSpec]:
         return self._layout.specs(tree)
 
@@ -341,31 +337,22 @@ class DistributedDataParallel:
                 params = update(params, grads)
 
         Before each step every rank says whether it still has a batch (one int32[world]
-        all-reduce over the transport). While some rank does, every rank runs the step: a
-        rank with a batch gets it as usual; a rank that has run out gets `ddp.JOINED`, which
-        grad_fn takes as the batch and answers by shadowing the others' synchronised step --
-        the very same collectives (hooked: rank 0's buffers if the program broadcasts them,
-        one all-reduce per bucket in plan order, the used counts; compiled: the same XLA
-        program, whose psums get zeros from the joined ranks) with zero gradients and no
-        forward -- returning (None, the mean gradients) ((None, None) for loss and aux with
-        has_aux); its model state (buffers, RNG) is left as it is. Once no rank has a batch,
-        the loop ends on every rank at the same step.
+        all-reduce). While some rank does, every rank runs the step; a rank that has run out
+        gets `ddp.JOINED`, and its grad_fn shadows the others' synchronised step -- the same
+        collectives with zero gradients and no forward (`_shadow_iteration`; compiled: the same
+        XLA program, fed zeros) -- and returns (None, the mean gradients), leaving its model
+        state alone. Once no rank has a batch, the loop ends on every rank at the same step.
 
-        The mean is the sum of the ranks that had a batch divided by the initial world size
-        (as torch's default), or with divide_by_initial_world_size=False by the number of
-        ranks that had one (hooked, without a comm hook). Parameters stay identical: every
-        rank -- joined or not -- gets the same mean gradients every step and applies them with
-        the same update, so optimizer state stays in step too (torch instead broadcasts the
-        last joiner's model at the end; nothing needs broadcasting here). The loop body must
-        therefore run the same DDP calls (grad_fn with sync=True/False, reduce) at the same
-        step on every rank, whatever the item is; give JOINED to grad_fn untouched (test
-        `batch is ddp.JOINED` before using the batch for anything else). With sync=False a
-        joined rank's grad_fn returns zeros, so accumulation then `reduce` works as usual.
-
-        throw_on_early_termination=True: instead, every rank raises as soon as one runs out.
-        Hooked grad_fn may be inside your own jax.jit (JOINED is a pytree with no leaves: it
-        gets its own trace). bucket_cap_mb="auto" is refused until the caps are chosen.
-        Each agreement counts as one synchronised iteration for portddp.watchdog."""
+        The mean is the sum over the ranks that had a batch divided by the initial world size
+        (torch's default), or with divide_by_initial_world_size=False by how many had one
+        (hooked, without a comm hook). Every rank gets the same mean every step, so parameters
+        and optimizer state stay identical and nothing is broadcast at the end (torch broadcasts
+        the last joiner's model). The loop body must therefore make the same DDP calls at the
+        same step on every rank; give JOINED to grad_fn untouched (sync=False: zeros, so
+        accumulating and `reduce` work as usual). throw_on_early_termination=True: every rank
+        raises as soon as one runs out. Hooked grad_fn may be inside your own jax.jit (JOINED is
+        a pytree without leaves: it gets its own trace); bucket_cap_mb="auto" is refused until
+        the caps are chosen. Each agreement counts as one iteration for portddp.watchdog."""
         if self._tuner is not None and not self._tuner.done:
             raise RuntimeError(f"uneven() with bucket_cap_mb='auto' is refused while the caps are still being timed "
                                f"(the first {self._tuner.iterations} synchronised steps): pass a fixed bucket_cap_mb")
@@ -429,7 +416,7 @@ class DistributedDataParallel:
         summed with one psum over `axis_name`, and split back (the pytree's leaf list in and out)."""
         return compiled.psum_buckets(self._plan, self._layout, leaves, axis_name, self._inv_world)
 
-    # ---- one iteration: begin, trigger, pack, launch
+    # ---- one iteration: begin (the traced step), trigger (a tap per bucket), pack, launch
     def _grad_step(self, fn):
         """`step(static, params, state, batch, sync) -> (loss, aux, new_state, grads)` for
         `fn(static, params, state, batch) -> (loss, (aux, new_state))`, the one form every
@@ -575,6 +562,17 @@ class DistributedDataParallel:
 
         return program
 
+    def _will_sync_buffers(self, state) -> bool:
+        """Whether a hooked step with this `state` broadcasts rank 0's buffers before the iteration."""
+        return (state is not None and self.broadcast_buffers and self.world_size > 1
+                and bool(jax.tree.leaves(state[0])))
+
+    def _sync_buffers(self, leaves) -> list[np.ndarray]:
+        """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast."""
+        arrays = [np.array(x) for x in leaves]
+        self._comm.broadcast_(arrays, src=0)
+        return arrays
+
     def _begin_iteration(self, dead=()) -> np.float32:
         """Open an iteration. The `dead` buckets (no tap fires: the loss uses none of their
         leaves) are zeros and ready at once; they launch in plan order like the others.
@@ -593,17 +591,6 @@ class DistributedDataParallel:
         for b in dead:
             self._mark_ready(b, None)
         return np.float32(0)
-
-    def _will_sync_buffers(self, state) -> bool:
-        """Whether a hooked step with this `state` broadcasts rank 0's buffers before the iteration."""
-        return (state is not None and self.broadcast_buffers and self.world_size > 1
-                and bool(jax.tree.leaves(state[0])))
-
-    def _sync_buffers(self, leaves) -> list[np.ndarray]:
-        """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast."""
-        arrays = [np.array(x) for x in leaves]
-        self._comm.broadcast_(arrays, src=0)
-        return arrays
 
     def _make_tap(self, b: int):
         """Identity on bucket b's parameters whose backward hands their gradients to `_mark_ready`.
