@@ -13,7 +13,7 @@ each iteration        Allreduce per bucket, in plan order  the mean gradients
                       Allreduce(int32[n] "used" counts)    who produced which gradient
                       (check_finite: int32[2n], the second half counting NaN/Inf gradients;
                       if any, allgather(names) of each rank's non-finite parameters),
-                      then int32[world]: each rank's iteration number in its own slot
+                      then int32[world]: each rank's step count in its own slot
 first iteration       allgather(comm hook name or None)     the same hook on every rank
 before a forward      Bcast(buffers + int64[3] header)      rank 0's buffers (PyTorch; Flax NNX: its
                       BatchStat etc.) and who sent them: (iterations done, synchronises?, syncs so far)
@@ -45,9 +45,10 @@ ranks that disagree about the transport would otherwise never meet.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-__all__ = ["buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_hook", "check_same_iteration",
+__all__ = ["buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_hook", "check_same_step",
            "check_same_specs", "nonfinite_error", "unused_parameters_error"]
 
 
@@ -118,21 +119,26 @@ def nonfinite_error(everyone: Sequence[Sequence[str]], rank: int) -> FloatingPoi
     )
 
 
-def check_same_iteration(iterations: Sequence[int], rank: int) -> None:
-    """Raise on every rank if the ranks are finishing different synchronised iterations.
+def check_same_step(steps: Sequence[int], rank: int) -> None:
+    """Raise on every rank if the ranks reached this reduction at different steps.
 
-    `iterations` is each rank's iteration number, exchanged in the per-iteration "used" collective:
-    a rank that skipped a step (or ran an extra one) would otherwise average its step k with
-    the others' step k+1 from then on, silently."""
-    if len(set(iterations)) <= 1:
+    `steps` holds each rank's step count, exchanged in the per-iteration "used" collective (0: a
+    rank that shadows the others in join(), not compared). A step is a forward with autograd on
+    through the wrapper (no_sync ones included; JAX: a grad_fn call). A rank that ran one step
+    locally that the others synchronised would otherwise average its step k+1 with the others'
+    step k from then on, silently. (A rank that skips a whole step looks like one with fewer
+    batches: the watchdog names it when it ends.) PORTDDP_CHECK_STEPS=0 turns the check off."""
+    counted = {n for n in steps if n}
+    if len(counted) <= 1 or os.environ.get("PORTDDP_CHECK_STEPS", "1") == "0":
         return
-    where = ", ".join(f"rank {r} at {n}" for r, n in enumerate(iterations))
+    where = ", ".join(f"rank {r} at step {n}" for r, n in enumerate(steps) if n)
     raise RuntimeError(
-        f"ranks are averaging different iterations ({where}; this is rank {rank}): some rank skipped a "
-        "synchronised step or ran an extra one (a `continue` before backward, a grad call on some ranks only), "
-        "so its gradients were being averaged with another step's. Every rank must run every synchronised "
-        "step; take local steps under no_sync() (JAX: sync=False) and give ranks with fewer batches "
-        "join() (JAX: ddp.uneven())")
+        f"ranks reached this gradient reduction at different steps ({where}; this is rank {rank}; a step is a "
+        "forward with autograd on through the wrapper, no_sync ones included -- JAX: a grad_fn call): some rank "
+        "ran a step locally that the others synchronised, or the other way round (no_sync() / sync=False on some "
+        "ranks only, an extra forward on some ranks), so its gradients were being averaged with another step's. "
+        "Every rank must run the same steps; give ranks with fewer batches join() (JAX: ddp.uneven()). If ranks "
+        "accumulate different numbers of local steps on purpose, set PORTDDP_CHECK_STEPS=0")
 
 
 def check_same_hook(everyone: Sequence[str | None], rank: int) -> None:

@@ -39,6 +39,13 @@ class MPIComm:
                 f"({launched.launcher}) started {launched.size}: launch with `mpirun -n {launched.size} python "
                 "...` (or use strategy='pmap' within one process)")
 
+    def zeros(self, numel: int, dtype) -> np.ndarray:
+        """A zeroed bucket buffer, inside the transport's shared-memory window when it has one (then
+        the all-reduce reads and writes it where it lies, no copies)."""
+        buf = self.transport.empty((numel,), dtype)
+        buf.fill(0)
+        return buf
+
     def allreduce(self, buf: np.ndarray) -> Handle:
         return self.transport.allreduce(buf)
 
@@ -70,6 +77,9 @@ class LocalComm:
 
     def __init__(self, size: int):
         self.size = size
+
+    def zeros(self, numel: int, dtype) -> np.ndarray:
+        return np.zeros(numel, dtype)
 
     def allreduce(self, buf: np.ndarray) -> Handle:
         """Every rank holds this process's `buf`: their sum is size x it."""

@@ -58,7 +58,8 @@ from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout
-from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
+from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_hook,
+                              check_same_step, check_same_specs, nonfinite_error, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
 
@@ -191,6 +192,9 @@ class DistributedDataParallel:
         self.overlap = config.overlap
         self.transport = config.transport
         self.check_finite = config.check_finite
+        self._iterations = 0  # synchronised iterations finished
+        self._step_count = 0  # grad_fn calls (sync=False ones included), compared across ranks at every reduction
+        self._step_counted = False  # this eager call counted already (else its traced program counts it)
         self._layout = Layout(params, order, canonical)
         specs = self._specs(params)
 
@@ -217,6 +221,8 @@ class DistributedDataParallel:
         self._uneven: _Uneven | None = None  # inside ddp.uneven(): this step's agreement
         self._last_events: IterationEvents | None = None
         self._iterations = 0
+        self._buffer_syncs = 0  # buffer broadcasts so far (their header carries it)
+        self._hooks_agreed = False  # the first synchronised iteration compares comm hooks across ranks
         self._iteration_time = 0.0  # compiled, pmap: seconds of the last step
         self._hlo: dict = {}  # compiled, pmap: what XLA made of the last step
 
@@ -226,7 +232,9 @@ class DistributedDataParallel:
 
     def _verify_same_model(self, specs: list[ParamSpec]) -> None:
         """Compare every rank's parameters with rank 0's; name the first differing key path."""
-        everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
+        self._issue("model check")
+        with watchdog.waiting():
+            everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
         check_same_specs(everyone, "parameter pytrees differ across ranks", "leaf", "leaves")
 
     def _broadcast_state(self, params):
@@ -235,9 +243,11 @@ class DistributedDataParallel:
         # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
         self._verify_same_model(self._specs(params))
         leaves = self._layout.leaves_of(params)
-        for b, bucket in enumerate(self._plan.buckets):
-            self._pack(b, [leaves[k] for k in bucket.params], divide=False)
-            self._comm.broadcast_([self._buffers[b]], src=0)
+        self._issue("broadcast of rank 0's parameters")
+        with watchdog.waiting():
+            for b, bucket in enumerate(self._plan.buckets):
+                self._pack(b, [leaves[k] for k in bucket.params], divide=False)
+                self._comm.broadcast_([self._buffers[b]], src=0)
         return self._write_grads()  # (the buffers hold rank 0's parameters)
 
     # ---- plan
@@ -245,7 +255,8 @@ class DistributedDataParallel:
         """Buffers, taps and traced steps for `plan`; a plan seen before gets its own back."""
         key = plan.to_json()
         if key not in self._plans:
-            self._plans[key] = _PlanState(plan, [np.zeros(b.numel, dtype=jnp.dtype(b.dtype)) for b in plan.buckets],
+            # (one host, MPI: inside the transport's shared-memory window, reduced where they lie)
+            self._plans[key] = _PlanState(plan, [self._comm.zeros(b.numel, jnp.dtype(b.dtype)) for b in plan.buckets],
                                           [self._make_tap(b) for b in range(len(plan.buckets))], {})
         self._plan, self._buffers, self._taps, self._steps = self._plans[key]
 
@@ -284,7 +295,7 @@ class DistributedDataParallel:
         With `has_aux=True`, `loss_fn` returns `(loss, aux)` and grad_fn
         `((loss, aux), grads)`, as with `jax.value_and_grad` (aux: this rank's;
         pmap: the first device's). For a Flax nnx.Module, see `nnx_value_and_grad`."""
-        checked = _checked_loss(loss_fn, has_aux)
+        checked = taps.checked_loss(loss_fn, has_aux)
 
         def pure(_static, params, state, batch):
             loss, aux = checked(params, batch)
@@ -323,6 +334,7 @@ class DistributedDataParallel:
             watchdog.step_finished()
             return out
         # One synchronised iteration on the host: the same collectives as a hooked grad_fn step.
+        self._step_counted = True  # (not a step: the accumulated ones were counted)
         self._begin_iteration()
         for b, bucket in enumerate(self._plan.buckets):
             self._mark_ready(b, [leaves[k] for k in bucket.params])
@@ -377,7 +389,9 @@ class DistributedDataParallel:
                     flags = np.zeros(self.world_size, np.int32)
                     flags[self.rank] = not step.out
                     watchdog.step_started()  # a collective every rank must reach, like an iteration
-                    self._comm.allreduce(flags).wait()
+                    self._issue("uneven: who still has a batch")
+                    with watchdog.waiting():
+                        self._comm.allreduce(flags).wait()
                     watchdog.step_finished()
                     step.count = int(flags.sum())
                     if step.count == 0:
@@ -448,18 +462,19 @@ class DistributedDataParallel:
             return out
 
         def step(static, params, state, batch, sync: bool = True):
-            self._layout.check(params)  # the plan is sized for these shapes and dtypes
-            traced = _traced((params, state, batch))
+            self._check_parameters_unchanged(params)
+            traced = taps.traced((params, state, batch))
+            self._step_count += not traced  # (traced: counted when the program runs, by _begin_iteration)
             joined = isinstance(batch, Joined)
             if joined and (self._uneven is None or self._uneven.count == self.world_size):
                 raise ValueError(_JOINED_OUTSIDE)
             if traced and sync and self.strategy != "hooked":
                 raise ValueError(
                     f"strategy={self.strategy!r} runs its own program over every rank's device, which cannot be "
-                    f"traced into your {_transformation((params, state, batch))} over this process's arrays: call "
+                    f"traced into your {taps.transformation((params, state, batch))} over this process's arrays: call "
                     "grad_fn outside any transformation (it is compiled already; jit the optimizer update on its "
                     "own), or use strategy='hooked', which can be traced into jit and scan")
-            if traced and sync and _transformation((params, state, batch)) == "jax.vmap":
+            if traced and sync and taps.transformation((params, state, batch)) == "jax.vmap":
                 raise ValueError(taps.UNDER_VMAP)  # (vmap of a jit: taps.host_call refuses it when batched)
             if traced and self.strategy == "hooked":
                 # Inside the caller's trace: the program is traced once, with today's plan, so the
@@ -474,6 +489,7 @@ class DistributedDataParallel:
                 if self._rebuild_order is not None:
                     self._rebuild()
             if joined and (self.strategy == "hooked" or not sync):
+                self._step_counted = not traced
                 return self._shadow_iteration(params, state, sync)
             if not sync:
                 return flax_nnx.named_errors(local_step, static, params, state, batch)
@@ -492,6 +508,7 @@ class DistributedDataParallel:
                 # A new function object each time: jax.jit caches traces per function.
                 run = self._steps[program] = jax.jit(lambda *args: program(*args), static_argnums=0)
             self._callback_errors.clear()
+            self._step_counted = True
             try:
                 loss, aux, new_state, grads = flax_nnx.named_errors(run, static, params, state, batch)
                 return loss, aux, new_state, jax.block_until_ready(grads)
@@ -562,15 +579,29 @@ class DistributedDataParallel:
 
         return program
 
+    def _check_parameters_unchanged(self, params) -> None:
+        """The plan is sized for the pytree DDP was built for: another structure, shape or dtype is
+        refused naming the leaf (the pytree comes with every call, unlike a module's parameters)."""
+        self._layout.check(params)
+
     def _will_sync_buffers(self, state) -> bool:
         """Whether a hooked step with this `state` broadcasts rank 0's buffers before the iteration."""
         return (state is not None and self.broadcast_buffers and self.world_size > 1
                 and bool(jax.tree.leaves(state[0])))
 
-    def _sync_buffers(self, leaves) -> list[np.ndarray]:
-        """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast."""
+    def _sync_buffers(self, leaves, synchronises: bool = True) -> list[np.ndarray]:
+        """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast with a header
+        saying which step they were sent for, checked by the receivers (portddp.protocol)."""
         arrays = [np.array(x) for x in leaves]
-        self._comm.broadcast_(arrays, src=0)
+        mine = buffer_sync_header(self._iterations, synchronises, self._buffer_syncs)
+        self._buffer_syncs += 1
+        if self.world_size > 1:
+            header = np.array(mine, np.int64)
+            self._issue("buffer broadcast")
+            with watchdog.waiting():
+                self._comm.broadcast_([*arrays, header], src=0)
+            if self.rank != 0:
+                check_buffer_sync_header(header.tolist(), mine, 0, self.rank)
         return arrays
 
     def _begin_iteration(self, dead=()) -> np.float32:
@@ -579,6 +610,12 @@ class DistributedDataParallel:
         The watchdog learns that a synchronised iteration is under way (a peer that already left
         before reaching it stops this rank, naming it, instead of leaving it waiting)."""
         watchdog.step_started()
+        if self._step_counted:  # an eager grad_fn call counted it (or reduce(), which is no step)
+            self._step_counted = False
+        else:
+            self._step_count += 1
+        if not self._hooks_agreed:
+            self._agree_on_hook()
         n = len(self._buffers)
         self._ready = [False] * n
         self._next_launch = 0  # buckets launch strictly in plan order
@@ -649,6 +686,7 @@ class DistributedDataParallel:
         self._handles[b] = self._reduce_bucket(b, self._buffers[b])
 
     def _reduce_bucket(self, b: int, buffer: np.ndarray) -> Handle:
+        self._issue(f"bucket {b}")
         if self._hook is None:
             return self._comm.allreduce(buffer)
         try:
@@ -685,6 +723,15 @@ class DistributedDataParallel:
         if not np.shares_memory(result, expected):
             expected[...] = result.reshape(-1)
 
+    def _agree_on_hook(self) -> None:
+        """Once, before the first bucket is reduced: the same comm hook (or none) on every rank."""
+        name = _hook_name(self._hook) if self._hook is not None else None
+        if self.world_size > 1:
+            self._issue("comm hook check")
+            with watchdog.waiting():
+                check_same_hook(self._comm.allgather_object(name), self.rank)
+        self._hooks_agreed = True
+
     # ---- finalize
     def _finalize(self) -> None:
         """After the computation: launch the rest, wait in plan order, agree on the used counts."""
@@ -697,34 +744,47 @@ class DistributedDataParallel:
         # With check_finite a second half counts, per parameter, the ranks with NaN/Inf in it.
         n = len(self._layout.names)
         flags = np.concatenate([np.ones(n, np.int32), self._nonfinite if self.check_finite else np.zeros(0, np.int32)])
-        used = self._exchange_used(flags)
-        for b, handle in enumerate(self._handles):
-            if self._hook is not None:
-                self._check_hook_result(b, handle)
-            else:
-                handle.wait()
-            self._events.buckets[b].done_ns = handle.done_ns
-        totals = used.wait()
+        used = self._exchange_used(flags, self._step_count)
+        with watchdog.waiting():
+            for b, handle in enumerate(self._handles):
+                if self._hook is not None:
+                    self._check_hook_result(b, handle)
+                else:
+                    handle.wait()
+                self._events.buckets[b].done_ns = handle.done_ns
+            totals = used.wait()
         watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
         if not self._rebuilt and self._rebuild_order is None:
             self._rebuild_order = self._ready_order
+        check_same_step(totals[-self.world_size:].tolist(), self.rank)
         if totals[:n].min() < self.world_size:
             self._raise_unused(totals[:n].tolist())
-        if totals[n:].any():
+        if totals[n:-self.world_size].any():
             self._raise_nonfinite()
 
-    def _exchange_used(self, flags: np.ndarray) -> Handle:
-        return self._comm.allreduce(flags) if self.world_size > 1 else Handle.completed(flags)
+    def _exchange_used(self, flags: np.ndarray, step: int) -> Handle:
+        """How many ranks produced each gradient (and found it non-finite), and each rank's step
+        count in its own slot: one small all-reduce that lets every rank fail together."""
+        used = np.zeros(len(flags) + self.world_size, np.int32)
+        used[:len(flags)] = flags
+        used[len(flags) + self.rank] = step
+        if self.world_size == 1:
+            return Handle.completed(used)
+        self._issue("used-count")
+        return self._comm.allreduce(used)
 
     def _raise_unused(self, counts: list[int]) -> None:
         raise unused_parameters_error(self._layout.names, counts, self.world_size, self.rank, [1] * len(counts))
 
     def _raise_nonfinite(self) -> None:
         mine = [self._layout.names[k] for k in np.flatnonzero(self._nonfinite)]
-        raise nonfinite_error(self._comm.allgather_object(mine), self.rank)
+        self._issue("non-finite gradients' names")
+        with watchdog.waiting():
+            everyone = self._comm.allgather_object(mine)
+        raise nonfinite_error(everyone, self.rank)
 
     def _write_grads(self, on_host: bool = False):
         """The reduced buckets back into the pytree: a new one of jax arrays in its own layout; or,
@@ -755,7 +815,7 @@ class DistributedDataParallel:
             self._finalize()
             return self._write_grads(on_host=True)
 
-        if _traced(params):
+        if taps.traced(params):
             reduced = taps.host_call(taps.reporting(shadow, self._callback_errors), _reduced_shapes(self._plan),
                                      *buffers)
         else:
@@ -769,7 +829,9 @@ class DistributedDataParallel:
         order = np.full(len(self._layout.names), -1, np.int64)
         if self._rebuild_order is not None:
             order[: len(self._rebuild_order)] = self._rebuild_order
-        self._comm.broadcast_([order], src=0)
+        self._issue("plan rebuild (rank 0's gradient order)")
+        with watchdog.waiting():
+            self._comm.broadcast_([order], src=0)
         self._observed_order = [int(i) for i in order if i >= 0]
         self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
                                         self.first_bucket_cap_mb))
@@ -782,7 +844,9 @@ class DistributedDataParallel:
             return
         cap = self._tuner.start_iteration(_now())
         if cap is None:  # trials over: agree on the winner (a collective, on every rank)
-            cap = self._tuner.decide(self._comm.allgather_object, self.rank)
+            self._issue("bucket_cap_mb='auto' decision")
+            with watchdog.waiting():
+                cap = self._tuner.decide(self._comm.allgather_object, self.rank)
         if cap != self.bucket_cap_mb:
             self.bucket_cap_mb = cap
             order = self._observed_order
@@ -812,6 +876,10 @@ class DistributedDataParallel:
             self._rebuilt = True
 
     # ---- stats
+    def _issue(self, what: str) -> None:
+        """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
+        watchdog.collective(f"iteration {self._iterations + 1}: {what}")
+
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         extra = {"iterations": self._iterations, "bucket_cap_mb": self.bucket_cap_mb}
@@ -832,49 +900,6 @@ def _reduced_shapes(plan: BucketPlan) -> list:
 
 def _hook_name(hook) -> str:
     return str(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
-
-
-def _traced(tree) -> bool:
-    """Whether `tree` holds tracers: grad_fn is being traced into the caller's jit, scan or vmap."""
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
-
-
-def _transformation(tree) -> str:
-    """Which transformation traces `tree`, as named in error messages."""
-    if any(type(x).__name__ == "BatchTracer" for x in jax.tree_util.tree_leaves(tree)):
-        return "jax.vmap"
-    return "jax.jit (or lax.scan, nnx.jit: any trace)"
-
-
-def _checked_loss(loss_fn, has_aux: bool):
-    """loss_fn as `(x, batch) -> (loss, aux)` (aux None without has_aux), checked at trace time to
-    return a floating-point scalar loss (the same error on every rank, before any collective)."""
-    name = getattr(loss_fn, "__name__", repr(loss_fn))
-
-    def checked(x, batch):
-        out = loss_fn(x, batch)
-        if has_aux:
-            if not (isinstance(out, tuple | list) and len(out) == 2):
-                got = f"a {type(out).__name__} of {len(out)} values" if isinstance(out, tuple | list) else \
-                    f"one array of shape {jnp.shape(out)}" if hasattr(out, "shape") else f"a {type(out).__name__}"
-                raise TypeError(f"has_aux=True: loss_fn must return a pair (loss, aux); {name!r} returned {got}")
-            loss, aux = out
-        elif isinstance(out, tuple | list):
-            raise TypeError(
-                f"loss_fn must return a scalar; {name!r} returned a {type(out).__name__} of {len(out)} values: to "
-                "return (loss, aux) pass has_aux=True (ddp.value_and_grad(loss_fn, has_aux=True); grad_fn then "
-                "returns ((loss, aux), grads)), or return only the loss")
-        else:
-            loss, aux = out, None
-        if jnp.shape(loss) != ():
-            raise TypeError(f"loss_fn must return a scalar; {name!r} returned shape {jnp.shape(loss)}: reduce it "
-                            "(e.g. .mean()) inside loss_fn")
-        if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
-            raise TypeError(f"loss_fn must return a floating-point scalar; {name!r} returned "
-                            f"{jnp.result_type(loss)}: gradients need a real-valued loss")
-        return loss, aux
-
-    return checked
 
 
 _JOINED_OUTSIDE = ("grad_fn got JOINED as the batch outside a step of ddp.uneven() in which some rank has joined: "

@@ -95,7 +95,7 @@ def broadcast(ddp, model):
             "specs": [(jax.tree_util.keystr(p), tuple(jnp.shape(x)), jnp.dtype(x.dtype).name) for p, x in leaves]})
         check_same_config([{"broadcast_buffers": e["broadcast_buffers"]} for e in everyone])
         check_same_specs([e["specs"] for e in everyone], "model buffers differ across ranks", "buffer", "buffers")
-    values = ddp._sync_buffers([x for _, x in leaves])
+    values = ddp._sync_buffers([x for _, x in leaves], synchronises=False)
     buffers = jax.tree.unflatten(jax.tree.structure(buffers), [jnp.asarray(v) for v in values])
     _nnx().update(model, params, buffers)
     return model
@@ -118,10 +118,10 @@ def named_errors(step, *args):
 
 def value_and_grad(ddp, loss_fn, has_aux: bool):
     """DistributedDataParallel.nnx_value_and_grad: see there and the module docstring."""
-    from portddp.jax.ddp import _checked_loss  # noqa: PLC0415 -- ddp imports this module
+    from portddp.jax.taps import checked_loss  # noqa: PLC0415
 
     nnx = _nnx()
-    checked = _checked_loss(loss_fn, has_aux)
+    checked = checked_loss(loss_fn, has_aux)
 
     def pure(graphdef, params, state, batch):
         # copy=True: fresh Variables owned by this trace (the step differentiates inside jit, and

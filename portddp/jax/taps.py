@@ -1,5 +1,6 @@
 """How XLA hands a value to the host in the middle of a program: the pieces every traced
-iteration of portddp.jax's hooked strategy is made of (DistributedDataParallel._trace_iteration).
+iteration of portddp.jax's hooked strategy is made of (DistributedDataParallel._trace_iteration),
+and the checks of what is being traced (the loss function, the transformation around grad_fn).
 
 JAX has no autograd hooks, but a `jax.custom_vjp` function chooses its own backward
 rule, and that rule may call the host with `io_callback`. `host_tap` is such an
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
 
-__all__ = ["UNDER_VMAP", "host_call", "host_tap", "reporting", "start_token"]
+__all__ = ["UNDER_VMAP", "checked_loss", "host_call", "host_tap", "reporting", "start_token", "traced", "transformation"]
 
 UNDER_VMAP = (
     "portddp.jax grad_fn (strategy='hooked') cannot run under jax.vmap: its collectives are host callbacks "
@@ -94,3 +95,46 @@ def reporting(callback, errors: list):
             raise
 
     return run
+
+
+def traced(tree) -> bool:
+    """Whether `tree` holds tracers: grad_fn is being traced into the caller's jit, scan or vmap."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+def transformation(tree) -> str:
+    """Which transformation traces `tree`, as named in error messages."""
+    if any(type(x).__name__ == "BatchTracer" for x in jax.tree_util.tree_leaves(tree)):
+        return "jax.vmap"
+    return "jax.jit (or lax.scan, nnx.jit: any trace)"
+
+
+def checked_loss(loss_fn, has_aux: bool):
+    """loss_fn as `(x, batch) -> (loss, aux)` (aux None without has_aux), checked at trace time to
+    return a floating-point scalar loss (the same error on every rank, before any collective)."""
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+
+    def checked(x, batch):
+        out = loss_fn(x, batch)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                got = f"a {type(out).__name__} of {len(out)} values" if isinstance(out, tuple | list) else \
+                    f"one array of shape {jnp.shape(out)}" if hasattr(out, "shape") else f"a {type(out).__name__}"
+                raise TypeError(f"has_aux=True: loss_fn must return a pair (loss, aux); {name!r} returned {got}")
+            loss, aux = out
+        elif isinstance(out, tuple | list):
+            raise TypeError(
+                f"loss_fn must return a scalar; {name!r} returned a {type(out).__name__} of {len(out)} values: to "
+                "return (loss, aux) pass has_aux=True (ddp.value_and_grad(loss_fn, has_aux=True); grad_fn then "
+                "returns ((loss, aux), grads)), or return only the loss")
+        else:
+            loss, aux = out, None
+        if jnp.shape(loss) != ():
+            raise TypeError(f"loss_fn must return a scalar; {name!r} returned shape {jnp.shape(loss)}: reduce it "
+                            "(e.g. .mean()) inside loss_fn")
+        if not jnp.issubdtype(jnp.result_type(loss), jnp.floating):
+            raise TypeError(f"loss_fn must return a floating-point scalar; {name!r} returned "
+                            f"{jnp.result_type(loss)}: gradients need a real-valued loss")
+        return loss, aux
+
+    return checked

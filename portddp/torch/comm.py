@@ -8,6 +8,8 @@ outside the backward pass (construction, buffer sync, plan rebuild).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -30,6 +32,10 @@ def _coalesced(tensors):
 class _Comm:
     rank: int
     size: int
+
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed bucket buffer."""
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def broadcast_(self, tensors, src: int = 0) -> None:
         """Overwrite `tensors` with rank `src`'s values (coalesced per dtype)."""
@@ -54,12 +60,23 @@ class C10dComm(_Comm):
                 "(or use transport='mpi' under mpirun)"
             )
         self.group = process_group
+        self._pg = None  # the ProcessGroup object itself, looked up at the first bucket
+        self._opts = dist.AllreduceOptions()  # reduceOp SUM
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
+
+    def allreduce_timed(self, tensor: torch.Tensor, event) -> torch.futures.Future:
+        """DDP's bucket all-reduce: the process group's own call (the cheapest launch c10d has, no
+        `.then`: the future's value is [tensor]); `event.done_ns` is stamped when it completes."""
+        if self._pg is None:
+            self._pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        fut = self._pg.allreduce([tensor], self._opts).get_future()
+        fut.add_done_callback(lambda _fut: setattr(event, "done_ns", time.perf_counter_ns()))
+        return fut
 
     def _broadcast_flat(self, flat, src):
         dist.broadcast(flat, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
@@ -103,6 +120,12 @@ class MPIComm(_Comm):
         np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         return torch.from_numpy(self.transport.empty(shape, np_dtype))
 
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed bucket buffer, in the shared-memory window when there is one (see `empty`)."""
+        if device.type != "cpu":
+            return super().zeros(numel, dtype, device)
+        return self.empty(numel, dtype).zero_()
+
     def is_shared(self, tensor: torch.Tensor) -> bool:
         """Whether `allreduce(tensor)` takes the zero-copy path."""
         return self.transport.is_shared(_numpy_view(tensor))
@@ -111,6 +134,20 @@ class MPIComm(_Comm):
         fut = torch.futures.Future()
 
         def resolve(handle):  # on the comm thread
+            if handle._error is not None:
+                fut.set_exception(handle._error)
+            else:
+                fut.set_result(tensor)
+
+        self.transport.allreduce(_numpy_view(tensor), on_done=resolve)
+        return fut
+
+    def allreduce_timed(self, tensor: torch.Tensor, event) -> torch.futures.Future:
+        """DDP's bucket all-reduce, `event.done_ns` stamped when the comm thread has finished it."""
+        fut = torch.futures.Future()
+
+        def resolve(handle):  # on the comm thread
+            event.done_ns = handle.done_ns
             if handle._error is not None:
                 fut.set_exception(handle._error)
             else:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -41,10 +40,11 @@ from torch.distributed.algorithms.join import Join, Joinable
 from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.config import DDPConfig
-from portddp.protocol import check_same_config, check_same_specs, nonfinite_error, unused_parameters_error
+from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_hook,
+                              check_same_step, check_same_specs, nonfinite_error, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
-from portddp.torch.native import NativeInterface, _done
+from portddp.torch.native import NativeInterface, _done, registrations
 
 __all__ = ["DistributedDataParallel", "GradBucket"]
 
@@ -97,7 +97,7 @@ class GradBucket:
         return self._comm.allreduce(tensor)
 
 
-class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
+class DistributedDataParallel(NativeInterface, nn.Module, Joinable):
     """Data parallelism by gradient averaging with communication overlapped with backward.
 
     Takes native `torch.nn.parallel.DistributedDataParallel`'s arguments, in its
@@ -189,6 +189,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction)
         self.config = config
         self._iterations = 0  # synchronised iterations finished
+        self._step_count = 0  # forwards with autograd on (no_sync ones included)
         self._tuner = config.tuner()
         self.module = module
         self.dim = dim
@@ -215,6 +216,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
 
         named = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
+        self._module_buffers = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
+        self._registrations = registrations()  # parameters, buffers, modules (re)assigned so far
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.device = self._params[0].device
@@ -249,6 +252,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         self._sync_flag = None  # join(): how many ranks sync this iteration (a pending collective)
         self._last_events: IterationEvents | None = None
         self._warned_create_graph = False
+        self._buffer_syncs = 0  # buffer broadcasts so far (their header carries it)
+        self._hooks_agreed = False  # the first synchronised iteration compares comm hooks across ranks
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
 
@@ -264,10 +269,6 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
         check_same_specs(everyone, "model mismatch across ranks", "parameter", "trainable parameters")
 
-    def _module_buffers(self) -> list[torch.Tensor]:
-        """Looked up each time, as native does: a module may reassign a buffer."""
-        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
-
     def _broadcast_state(self, src: int = 0, buffers: bool = True) -> None:
         """Rank `src`'s parameters (bucket by bucket, after agreeing again) and buffers everywhere.
 
@@ -279,15 +280,15 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                 self._comm.broadcast_([self._params[i] for i in bucket.params], src=src)
             if self._delayed:
                 self._comm.broadcast_([p for _, p in self._delayed], src=src)
-            module_buffers = self._module_buffers()
-            if buffers and module_buffers:
-                self._comm.broadcast_(module_buffers, src=src)
+            if buffers and self._module_buffers:
+                self._comm.broadcast_(self._module_buffers, src=src)
 
     # ---- plan
     def _install_plan(self, plan: BucketPlan) -> None:
         """Allocate one flat buffer per bucket and a view of it per parameter."""
         self._plan = plan
-        self._bucket_buffers = [self._new_bucket_buffer(b.numel, getattr(torch, b.dtype)) for b in plan.buckets]
+        # (transport="mpi" on one host: inside the shared-memory window, reduced where they lie)
+        self._bucket_buffers = [self._comm.zeros(b.numel, getattr(torch, b.dtype), self.device) for b in plan.buckets]
         self._bucket_of = [0] * len(self._params)
         self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
         for b, bucket in enumerate(plan.buckets):
@@ -300,13 +301,6 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                     p.grad = self._views[i]
         self._bucket_sizes = [len(b.params) for b in plan.buckets]
 
-    def _new_bucket_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Zeros, on the module's device; with transport="mpi" on CPU, inside the transport's
-        shared-memory window when it has one, so the all-reduce reads and writes it in place."""
-        if self.device.type == "cpu" and hasattr(self._comm, "empty"):
-            return self._comm.empty(numel, dtype).zero_()
-        return torch.zeros(numel, dtype=dtype, device=self.device)
-
     def _grad_bucket(self, b: int, buffer: torch.Tensor) -> GradBucket:
         params = self._plan.buckets[b].params
         if buffer is self._bucket_buffers[b]:
@@ -315,24 +309,6 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             grads = [buffer[off:off + self._params[i].numel()].view_as(self._params[i])
                      for i, off in zip(params, self._plan.buckets[b].offsets)]
         return GradBucket(b, buffer, [self._params[i] for i in params], grads, len(self._plan.buckets), self._comm)
-
-    def _apply(self, fn, recurse=True):
-        """`.to()`, `.double()`, `.cuda()`, ... reach the module; the buckets follow at the next forward."""
-        super()._apply(fn, recurse)
-        if hasattr(self, "_plan") and [s for s in self._specs()] != list(self._plan.specs):
-            self._replan()
-        return self
-
-    def _replan(self) -> None:
-        """The parameters changed dtype or device: the same plan (same order and caps) for the new ones."""
-        specs = self._specs()
-        self.device = self._params[0].device
-        self.device_type = self.device.type
-        plan = plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
-        if self._observed_order is not None:
-            plan = rebuild_plan(plan, self._observed_order, self.bucket_cap_mb, self.first_bucket_cap_mb)
-        self._install_plan(plan)
-        self._verify_pending = True  # every rank must have made the same change: checked at the next forward
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -381,6 +357,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         start = _now()
         self._check_parameters_unchanged()
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._step_count += torch.is_grad_enabled()  # compared across ranks at every reduction
         if grad_sync:
             self._check_prior_reduction_finished()
             if self._tuner is not None and not self._tuner.done:
@@ -389,7 +366,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                 self._rebuild()
         Join.notify_join_context(self)  # inside `with ddp.join()` only: "I still have inputs" (c10d)
         if self._will_sync_buffers():
-            self._sync_buffers()
+            self._sync_buffers(grad_sync)
         if self._join_config.enable:
             self._sync_flag = self._exchange_sync_flag(grad_sync)
         # Like native DDP, whether the coming backward synchronises is decided
@@ -416,10 +393,20 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         return output
 
     def _check_parameters_unchanged(self) -> None:
-        """A model whose trainable parameters changed after wrapping would train them un-averaged."""
+        """A model whose trainable parameters changed after wrapping would train them un-averaged.
+        Walking the module costs per parameter; it is done only when some module in the process
+        (re)registered a parameter, buffer or submodule since the last look."""
         if getattr(self, "_verify_pending", False):  # .to()/.double() since the last forward: same on every rank?
             self._verify_same_model(list(self._plan.specs))
             self._verify_pending = False
+        for p, v in zip(self._params, self._views):
+            if not p.requires_grad or p.dtype != v.dtype or p.device != v.device:
+                break
+        else:
+            if self._registrations == registrations():
+                return
+        self._registrations = registrations()
+        self._module_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
         now = [p for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
             if any(p.dtype != v.dtype or p.device != v.device for p, v in zip(self._params, self._views)):
@@ -436,31 +423,23 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             "or wrap the new model in a new DistributedDataParallel"
         )
 
-    def _check_prior_reduction_finished(self) -> None:
-        """Native's rule: a synchronised forward must be followed by its backward before the next one."""
-        if not self._expect_grads:
-            return
-        self._expect_grads = False
-        pending = [self._names[i] for i, seen in enumerate(self._seen) if not seen]
-        raise RuntimeError(
-            f"Expected to have finished reduction in the prior iteration before starting a new one: rank "
-            f"{self.rank} ran a forward (grad enabled, outside no_sync) without its backward, and the other ranks "
-            f"would now average this rank's step with their next one. Parameters still waiting: "
-            f"{pending[:5]}{' ...' if len(pending) > 5 else ''}. Call backward() on every synchronised forward's "
-            "output, run forwards you do not train on under torch.no_grad() or on ddp.module, or pass "
-            "find_unused_parameters=True if some outputs are not used in the loss"
-        )
-
     def _will_sync_buffers(self) -> bool:
-        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers())
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers)
 
-    def _sync_buffers(self) -> None:
-        """Rank 0's buffers everywhere (in join(): those of the highest rank still training)."""
+    def _sync_buffers(self, synchronises: bool, check: bool = True) -> None:
+        """Rank 0's buffers everywhere (in join(): those of the highest rank still training), with a
+        header saying which forward they were sent for (does it synchronise gradients?), checked
+        by the receivers (not by a joined rank's shadow, which takes whatever the others send)."""
         src = self._find_common_rank(True) if self._join_config.enable else 0
+        mine = buffer_sync_header(self._iterations, synchronises, self._buffer_syncs)
+        self._buffer_syncs += 1
         if self.world_size > 1:
+            header = torch.tensor(mine, dtype=torch.int64)
             self._issue("buffer broadcast")
             with torch.no_grad(), watchdog.waiting():
-                self._comm.broadcast_(self._module_buffers(), src=src)
+                self._comm.broadcast_([*self._module_buffers, header], src=src)
+            if check and self.rank != src:
+                check_buffer_sync_header(header.tolist(), mine, src, self.rank)
 
     def _begin_iteration(self, start_ns: int) -> None:
         n_buckets = len(self._bucket_buffers)
@@ -473,6 +452,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         self._finalize_queued = False
         self._expect_grads = True
         watchdog.step_started()
+        if not self._hooks_agreed:
+            self._agree_on_hook()
         self._contributors = self.world_size
         if self._sync_flag is not None and not self._divide_by_initial_world_size:
             # join(divide_by_initial_world_size=False): the mean over the ranks still training.
@@ -492,12 +473,6 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
 
         return hook
 
-    def _queue_finalize(self) -> None:
-        if not self._finalize_queued:
-            # Runs once autograd has finished the whole graph.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            self._finalize_queued = True
-
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
         now = _now()
         if not self._expect_grads:
@@ -510,9 +485,11 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                 f"parameter {self._names[i]!r} received its gradient twice in one backward pass; "
                 "DistributedDataParallel supports one gradient per parameter per iteration"
             )
-        self._queue_finalize()
+        if not self._finalize_queued:
+            self._queue_finalize()
         self._seen[i] = 1
-        self._ready_order.append(i)
+        if not self._rebuilt:
+            self._ready_order.append(i)
         self._events.backward_end_ns = now
         if self.check_finite and not bool(torch.isfinite(param.grad).all()):
             self._nonfinite[i] = 1
@@ -534,7 +511,7 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                 f"parameter {self._names[i]!r} has a {grad.layout} gradient; portddp reduces dense gradients only "
                 "(e.g. use nn.Embedding(sparse=False))"
             )
-        if grad.data_ptr() == view.data_ptr():  # gradient_as_bucket_view: already in place
+        if self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():  # already in place
             if self._hook is None:
                 view.mul_(self._inv_world)
             return
@@ -546,18 +523,6 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         if self.gradient_as_bucket_view and not param.grad.requires_grad:
             param.grad = view
 
-    def _first_order(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """backward(create_graph=True): native's behaviour -- the gradient's values are averaged,
-        its graph (for higher-order gradients) stays local to each rank -- with native's warning."""
-        if not self._warned_create_graph:
-            warnings.warn(
-                "backward(create_graph=True) through DistributedDataParallel: .grad holds the averaged "
-                "gradient, but higher-order gradients taken through it are not synchronised across ranks "
-                "(native DDP's behaviour; see https://github.com/pytorch/pytorch/issues/63929). Average them "
-                "yourself (e.g. dist.all_reduce) if your method needs them", UserWarning, stacklevel=2)
-            self._warned_create_graph = True
-        return grad.detach()
-
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._bucket_buffers) and self._pending[self._next_launch] == 0:
             self._launch(self._next_launch)
@@ -566,18 +531,14 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
     def _launch(self, b: int) -> None:
         ev = self._events.buckets[b]
         ev.launch_ns = _now()
-        fut = self._reduce_bucket(b, self._bucket_buffers[b])
+        self._futures[b] = self._reduce_bucket(b, self._bucket_buffers[b], ev)
 
-        def record_done(_fut, ev=ev):
-            ev.done_ns = _now()
-
-        fut.add_done_callback(record_done)
-        self._futures[b] = fut
-
-    def _reduce_bucket(self, b: int, buffer: torch.Tensor) -> torch.futures.Future:
+    def _reduce_bucket(self, b: int, buffer: torch.Tensor, event=None) -> torch.futures.Future:
+        """Launch bucket b's reduction (the comm hook's, or a plain all-reduce); `event.done_ns` is
+        stamped when it completes."""
         self._issue(f"bucket {b}")
         if self._hook is None:
-            return self._comm.allreduce(buffer)
+            return self._comm.allreduce_timed(buffer, event) if event is not None else self._comm.allreduce(buffer)
         # A new GradBucket each time, as native hands out: hooks may set_buffer() on it.
         fut = self._hook(self._hook_state, self._grad_bucket(b, buffer))
         if not isinstance(fut, torch._C.Future):  # (c10d's get_future() is the C++ base class)
@@ -585,6 +546,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                 f"comm hook {_hook_name(self._hook)} returned {type(fut).__name__} for bucket {b}; a hook must "
                 "return a torch.futures.Future whose value is the reduced flat bucket (e.g. "
                 "dist.all_reduce(t, async_op=True).get_future(), or bucket.allreduce(t))")
+        if event is not None:
+            fut.add_done_callback(lambda _fut: setattr(event, "done_ns", _now()))
         return fut
 
     def _check_hook_result(self, b: int, result) -> torch.Tensor:
@@ -600,6 +563,15 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
                 f"holds {expected.numel()} {_dtype_name(expected.dtype)} gradients: return the whole reduced "
                 "bucket (bucket.buffer() after the reduction), not a part or a summary of it")
         return tensor
+
+    def _agree_on_hook(self) -> None:
+        """Once, before the first bucket is reduced: the same comm hook (or none) on every rank."""
+        name = _hook_name(self._hook) if self._hook is not None else None
+        if self.world_size > 1:
+            self._issue("comm hook check")
+            with watchdog.waiting():
+                check_same_hook(self._comm.allgather_object(name), self.rank)
+        self._hooks_agreed = True
 
     # ---- finalize
     def _finalize(self) -> None:
@@ -622,18 +594,19 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         # With check_finite the same collective also counts, per parameter, the ranks whose
         # gradient held a NaN or Inf (a second half of the vector).
         flags = bytes(self._seen) + (bytes(self._nonfinite) if self.check_finite else b"")
-        used_fut = self._exchange_used(flags) if early else None
+        used_fut = self._exchange_used(flags, self._step_count) if early else None
         with watchdog.waiting():
             for b, fut in enumerate(self._futures):
-                result = self._check_hook_result(b, fut.wait()) if self._hook is not None else fut.wait()
+                result = self._check_hook_result(b, fut.wait()) if self._hook is not None else _tensor_of(fut.wait())
                 if result.data_ptr() != self._bucket_buffers[b].data_ptr():
                     self._bucket_buffers[b].copy_(result)
             if not early:
-                delayed, used_fut = self._launch_delayed(), self._exchange_used(flags)
+                delayed, used_fut = self._launch_delayed(), self._exchange_used(flags, self._step_count)
             if delayed is not None:
                 self._write_delayed(delayed)
             totals = used_fut.wait().tolist()
-        counts, nonfinite = totals[:len(self._params)], totals[len(self._params):]
+        n = len(self._params)
+        counts, nonfinite, steps = totals[:n], totals[n:-self.world_size], totals[-self.world_size:]
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
@@ -643,16 +616,24 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             self._sync_flag = None
         if not self._rebuilt and self._rebuild_order is None:
             self._rebuild_order = self._ready_order
+        check_same_step(steps, self.rank)
         if not (self.find_unused_parameters or self.static_graph) and min(counts) < self._contributors:
             self._raise_unused(counts)
         if any(nonfinite):
             self._raise_nonfinite()
         self._write_grads(counts)
 
-    def _exchange_used(self, flags: bytes):
-        used = torch.frombuffer(bytearray(flags), dtype=torch.uint8).to(torch.int32)
+    def _exchange_used(self, flags: bytes, step: int):
+        """How many ranks produced each gradient (and found it non-finite), and each rank's step
+        count in its own slot (0: not compared): one small all-reduce that lets every rank fail
+        together."""
+        used = torch.zeros(len(flags) + self.world_size, dtype=torch.int32)
+        used[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
+        used[len(flags) + self.rank] = step
+        if self.world_size == 1:
+            return _done(used)
         self._issue("used-count")
-        return self._comm.allreduce(used) if self.world_size > 1 else _done(used)
+        return self._comm.allreduce(used)
 
     def _raise_unused(self, counts: list[int]) -> None:
         raise unused_parameters_error(self._names, counts, self._contributors, self.rank, self._seen)
@@ -665,6 +646,9 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         raise nonfinite_error(everyone, self.rank)
 
     def _write_grads(self, counts: list[int]) -> None:
+        """The mean back into `.grad`: one fused copy for the common case (every `.grad` exists and
+        is not the bucket view), a per-parameter path for the others."""
+        grads, views = [], []
         for i, p in enumerate(self._params):
             view = self._views[i]
             if counts[i] == 0:
@@ -678,7 +662,10 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
             elif p.grad is None:
                 p.grad = view.clone()
             else:
-                p.grad.copy_(view)
+                grads.append(p.grad)
+                views.append(view)
+        if grads:
+            torch._foreach_copy_(grads, views)
 
     # ---- join/uneven
     def _shadow_iteration(self) -> None:
@@ -687,12 +674,14 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         if self._rebuild_order is not None:
             self._rebuild()
         if self._will_sync_buffers():
-            self._sync_buffers()
+            self._sync_buffers(True, check=False)
         with watchdog.waiting():
             contributors = int(self._exchange_sync_flag(False).wait()[0])
         self.require_forward_param_sync = contributors > 0
         if contributors == 0:
             return  # the others run a local (no_sync) or no_grad forward
+        if not self._hooks_agreed:
+            self._agree_on_hook()
         zeros = [torch.zeros_like(buf) for buf in self._bucket_buffers]
         futures = [self._reduce_bucket(b, z) for b, z in enumerate(zeros)]
         if self._hook is not None:  # the order of _finalize
@@ -700,7 +689,8 @@ class DistributedDataParallel(nn.Module, NativeInterface, Joinable):
         if self._delayed:
             futures.append(self._comm.allreduce(torch.zeros(sum(p.numel() for _, p in self._delayed),
                                                             dtype=self._delayed[0][1].dtype)))
-        futures.append(self._exchange_used(bytes(len(self._params) * (2 if self.check_finite else 1))))
+        self._iterations += 1
+        futures.append(self._exchange_used(bytes(len(self._params) * (2 if self.check_finite else 1)), 0))
         with watchdog.waiting():
             for fut in futures:
                 fut.wait()

@@ -19,9 +19,28 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from portddp import launch, watchdog
-from portddp.buckets import cap_bytes
+from portddp.buckets import cap_bytes, plan_buckets, rebuild_plan
 
-__all__ = ["NativeInterface"]
+__all__ = ["NativeInterface", "registrations"]
+
+
+class _Registrations:
+    count = 0  # parameters, buffers and submodules (re)assigned in any module of this process
+
+
+def _registered(*_args) -> None:
+    _Registrations.count += 1
+
+
+# Cheap change detection for DDP's per-forward check that the module's parameters are still
+# the ones it wrapped: the module is walked again only after something was (re)registered.
+torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
+torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
+torch.nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+def registrations() -> int:
+    return _Registrations.count
 
 
 class _StaticGraphSink(torch.autograd.Function):
@@ -250,6 +269,58 @@ class NativeInterface:
                 p.grad = reduced.clone()
             else:
                 p.grad.copy_(reduced)
+
+    # -- PyTorch modules, autograd and native's rules around the iteration
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.double()`, `.cuda()`, ... reach the module; the buckets follow at the next forward."""
+        super()._apply(fn, recurse)
+        if hasattr(self, "_plan") and [s for s in self._specs()] != list(self._plan.specs):
+            self._replan()
+        return self
+
+    def _replan(self) -> None:
+        """The parameters changed dtype or device: the same plan (same order and caps) for the new ones."""
+        specs = self._specs()
+        self.device = self._params[0].device
+        self.device_type = self.device.type
+        plan = plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
+        if self._observed_order is not None:
+            plan = rebuild_plan(plan, self._observed_order, self.bucket_cap_mb, self.first_bucket_cap_mb)
+        self._install_plan(plan)
+        self._verify_pending = True  # every rank must have made the same change: checked at the next forward
+
+    def _check_prior_reduction_finished(self) -> None:
+        """Native's rule: a synchronised forward must be followed by its backward before the next one."""
+        if not self._expect_grads:
+            return
+        self._expect_grads = False
+        pending = [self._names[i] for i, seen in enumerate(self._seen) if not seen]
+        raise RuntimeError(
+            f"Expected to have finished reduction in the prior iteration before starting a new one: rank "
+            f"{self.rank} ran a forward (grad enabled, outside no_sync) without its backward, and the other ranks "
+            f"would now average this rank's step with their next one. Parameters still waiting: "
+            f"{pending[:5]}{' ...' if len(pending) > 5 else ''}. Call backward() on every synchronised forward's "
+            "output, run forwards you do not train on under torch.no_grad() or on ddp.module, or pass "
+            "find_unused_parameters=True if some outputs are not used in the loss"
+        )
+
+    def _queue_finalize(self) -> None:
+        if not self._finalize_queued:
+            # Runs once autograd has finished the whole graph.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            self._finalize_queued = True
+
+    def _first_order(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """backward(create_graph=True): native's behaviour -- the gradient's values are averaged,
+        its graph (for higher-order gradients) stays local to each rank -- with native's warning."""
+        if not self._warned_create_graph:
+            warnings.warn(
+                "backward(create_graph=True) through DistributedDataParallel: .grad holds the averaged "
+                "gradient, but higher-order gradients taken through it are not synchronised across ranks "
+                "(native DDP's behaviour; see https://github.com/pytorch/pytorch/issues/63929). Average them "
+                "yourself (e.g. dist.all_reduce) if your method needs them", UserWarning, stacklevel=2)
+            self._warned_create_graph = True
+        return grad.detach()
 
 
 def _done(value) -> torch.futures.Future:

@@ -9,7 +9,9 @@ Every rank prints `PORTDDP_ERROR rank=<r> <message>` and exits 3, or
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 
 import torch
 from torch import nn
@@ -145,6 +147,58 @@ def run(case: str, transport: str) -> None:
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
         for _ in range(2 if last else 3):
             ddp(torch.ones(2, 4)).sum().backward()
+    elif case == "rank0_only_eval":  # the native idiom `if rank == 0: evaluate`, through the wrapper
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        ddp = DistributedDataParallel(model, transport=transport)
+        for step in range(4):
+            ddp(torch.randn(8, 4) + w.rank).sum().backward()
+            if step == 1 and w.rank == 0:
+                ddp.eval()
+                with torch.no_grad():
+                    ddp(torch.randn(8, 4))
+                ddp.train()
+    elif case == "some_ranks_hook":
+        from portddp.torch.hooks import fp16_compress_hook  # noqa: PLC0415
+
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        if w.rank == 0:
+            ddp.register_comm_hook(None, fp16_compress_hook)
+        ddp(torch.ones(2, 4)).sum().backward()
+    elif case == "no_sync_on_some_ranks":  # rank 0 accumulates locally for one step, the others do not
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        for step in range(3):
+            local = ddp.no_sync() if (step == 1 and w.rank == 0) else contextlib.nullcontext()
+            with local:
+                ddp(torch.ones(2, 4)).sum().backward()
+    elif case == "stalled_rank":  # the last rank computes 30 s before its backward: everyone waits
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        for step in range(2):
+            loss = ddp(torch.ones(2, 4)).sum()
+            if last and step == 1:
+                time.sleep(30)
+            loss.backward()
+    elif case == "create_graph":  # native: values averaged, higher-order graph local (with a warning)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        reference = [p.detach().clone() for p in model.parameters()]
+        ddp = DistributedDataParallel(model, transport=transport)
+        xs = [torch.randn(5, 4) + r for r in range(w.size)]
+        ddp(xs[w.rank]).pow(2).sum().backward(create_graph=True)
+        # the mean of every rank's local gradient, computed here without DDP
+        local = []
+        for x in xs:
+            m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+            with torch.no_grad():
+                for p, ref in zip(m.parameters(), reference):
+                    p.copy_(ref)
+            m(x).pow(2).sum().backward()
+            local.append(m[0].weight.grad)
+        mean = torch.stack(local).mean(0)
+        grad = model[0].weight.grad
+        close = torch.allclose(grad, mean, atol=1e-6)
+        print(f"CREATE_GRAPH rank={w.rank} requires_grad={grad.requires_grad} grad={close} mean=True", flush=True)
+        penalty = sum((p.grad ** 2).sum() for p in model.parameters())
+        torch.autograd.grad(penalty, list(model.parameters()))  # the local higher-order graph is intact
     else:
         raise SystemExit(f"unknown case {case!r}")
 

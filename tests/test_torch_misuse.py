@@ -1,0 +1,66 @@
+"""portddp.torch misuse that native DDP leaves silent or hanging: every rank must stop within
+seconds, naming the culprit and the fix (issue 17). Each case is one `mpirun -n 2` job of
+tests/workers/torch_bad_input.py with a timeout, every rank's output and exit code checked."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import mpi
+
+TRANSPORTS = ["c10d", "mpi"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_rank0_only_evaluation_through_the_wrapper_is_named(transport):
+    """`if rank == 0: ddp(val)` on a model with buffers: the others would start every later forward
+    from buffers one broadcast old (MPI, exit 0) or hang (c10d)."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "rank0_only_eval", transport, timeout=90)
+    assert proc.returncode != 0
+    assert re.search(r"PORTDDP_ERROR rank=1 RuntimeError: rank 0 broadcast its buffers in buffer sync #\d+, for a "
+                     r"forward without gradient sync .* this rank \(1\) is in buffer sync #\d+, for a forward that "
+                     r"synchronises gradients.*ddp\.module\(\.\.\.\), or evaluate on every rank", proc.stdout), (
+        proc.stdout[-2000:] + proc.stderr[-2000:])
+    assert "rank 0 exits now (code 70)" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_comm_hook_registered_on_some_ranks_only_is_named_on_every_rank(transport):
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "some_ranks_hook", transport, timeout=90)
+    mpi.errors_on_every_rank(proc, 2, r"comm hooks differ across ranks \(rank 0: fp16_compress_hook, rank 1: none; "
+                                      r"this is rank \d\): every rank must call register_comm_hook")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_step_local_on_some_ranks_only_is_named_at_the_next_reduction(transport):
+    """Rank 0 runs one step under no_sync() alone: from then on its step k+1 would be averaged with
+    the others' step k. The per-iteration collective carries every rank's step count. (A rank that
+    skips a whole step cannot be told from one with fewer batches: it is named when it ends, by the
+    watchdog -- tests/test_dropin.py's one_batch_fewer.)"""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "no_sync_on_some_ranks", transport, timeout=90)
+    mpi.errors_on_every_rank(proc, 2, r"ranks reached this gradient reduction at different steps \(rank 0 at step 3, "
+                                      r"rank 1 at step 2; this is rank \d;.*join\(\).*PORTDDP_CHECK_STEPS=0")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_stalled_rank_is_named_by_every_rank_within_seconds(transport):
+    """Rank 1 computes for 30 s before its backward; with PORTDDP_STALL_S=3 every rank reports who
+    is where (rank 0 waiting in iteration 2's collectives, rank 1 computing) and exits."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "stalled_rank", transport, timeout=60,
+                   env={"PORTDDP_STALL_S": "3"})
+    assert proc.returncode != 0
+    out = proc.stderr
+    assert "PORTDDP_STALL_S" in out and re.search(r"rank 1\b", out), out[-3000:]
+    assert re.search(r"iteration 2: (bucket \d|used-count)", out), out[-3000:]
+
+
+def test_backward_with_create_graph_averages_the_gradient_and_warns():
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "create_graph", "mpi", timeout=90)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    grads = re.findall(r"CREATE_GRAPH rank=(\d) requires_grad=(\w+) grad=(\S+) mean=(\S+)", proc.stdout)
+    assert len(grads) == 2, proc.stdout
+    for _, requires_grad, grad, mean in grads:
+        assert requires_grad == "True" and grad == mean, grads
+    assert "higher-order gradients taken through it are not synchronised" in proc.stderr
