@@ -1,0 +1,225 @@
+"""portddp/protocol.py alone: the cross-rank checks both frontends share, fed the lists an
+allgather would return. What users rely on in each message: the culprit rank, the names and
+values involved, and the fix. (tests/test_*_misuse.py and test_*_ddp.py check that real
+mpirun jobs reach these errors on every rank.)"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_hook,
+                              check_same_specs, check_same_step, nonfinite_error, unused_parameters_error)
+
+CONFIG = {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0, "transport": "mpi", "check_finite": False}
+
+
+# ---- check_same_config
+
+def test_same_config_passes():
+    check_same_config([CONFIG, dict(CONFIG), dict(CONFIG)])
+    check_same_config([CONFIG])  # a world of one
+
+
+def test_config_difference_names_key_both_values_and_rank():
+    with pytest.raises(ValueError) as e:
+        check_same_config([CONFIG, CONFIG, CONFIG | {"bucket_cap_mb": "auto"}])
+    msg = str(e.value)
+    assert "bucket_cap_mb is 25.0 on rank 0 but 'auto' on rank 2" in msg
+    assert "every rank must pass the same bucket_cap_mb" in msg
+
+
+def test_config_names_the_first_differing_rank():
+    with pytest.raises(ValueError, match="'mpi' on rank 0 but 'c10d' on rank 1"):
+        check_same_config([CONFIG, CONFIG | {"transport": "c10d"}, CONFIG | {"check_finite": True}])
+
+
+def test_config_key_missing_on_another_rank():
+    theirs = {k: v for k, v in CONFIG.items() if k != "check_finite"}
+    with pytest.raises(ValueError, match="check_finite is False on rank 0 but None on rank 1"):
+        check_same_config([CONFIG, theirs])
+
+
+@pytest.mark.xfail(strict=True, reason="check_same_config only walks rank 0's keys: a key that only another "
+                                       "rank sends (e.g. ranks running different portddp versions) passes")
+def test_config_key_only_another_rank_has_is_a_difference():
+    with pytest.raises(ValueError, match="gradient_as_bucket_view"):
+        check_same_config([CONFIG, CONFIG | {"gradient_as_bucket_view": True}])
+
+
+# ---- check_same_specs
+
+SPECS = [("0.weight", (4, 3), "float32"), ("0.bias", (4,), "float32"), ("1.weight", (2, 4), "float32")]
+
+
+def test_same_specs_pass():
+    check_same_specs([SPECS, list(SPECS)], "model mismatch across ranks", "parameter", "trainable parameters")
+
+
+def test_spec_difference_names_the_entry_both_specs_and_rank():
+    theirs = [SPECS[0], ("0.bias", (5,), "float32"), SPECS[2]]
+    with pytest.raises(ValueError) as e:
+        check_same_specs([SPECS, SPECS, theirs], "model mismatch across ranks", "parameter", "trainable parameters")
+    assert str(e.value) == ("model mismatch across ranks: parameter #1 is '0.bias' (4,) float32 on rank 0 but "
+                            "'0.bias' (5,) float32 on rank 2; every rank must build the same model before wrapping it")
+
+
+def test_spec_dtype_difference():
+    theirs = [SPECS[0], SPECS[1], ("1.weight", (2, 4), "float64")]
+    with pytest.raises(ValueError, match=r"#2 is '1\.weight' \(2, 4\) float32 on rank 0 but '1\.weight' \(2, 4\) "
+                                         r"float64 on rank 1"):
+        check_same_specs([SPECS, theirs], "model mismatch across ranks", "parameter", "parameters")
+
+
+def test_jax_key_paths_are_shown_as_they_are():
+    ours = [("['enc']['w']", (3,), "float32")]
+    theirs = [("['dec']['w']", (3,), "float32")]
+    with pytest.raises(ValueError, match=re.escape("leaf #0 is ['enc']['w'] (3,) float32 on rank 0 but "
+                                                   "['dec']['w'] (3,) float32 on rank 1")):
+        check_same_specs([ours, theirs], "parameter pytrees differ across ranks", "leaf", "leaves")
+
+
+@pytest.mark.parametrize("short_rank", [0, 1])
+def test_spec_count_difference_names_the_first_extra_entry(short_rank):
+    everyone = [SPECS, SPECS[:2]] if short_rank == 1 else [SPECS[:2], SPECS]
+    with pytest.raises(ValueError) as e:
+        check_same_specs(everyone, "model buffers differ across ranks", "buffer", "buffers")
+    n0, n1 = len(everyone[0]), len(everyone[1])
+    assert str(e.value).startswith(f"model buffers differ across ranks: rank 0 has {n0} buffers, rank 1 has {n1}; "
+                                   f"the first one only rank {1 - short_rank} has is '1.weight'.")
+    assert "Every rank must build the same model before wrapping it" in str(e.value)
+
+
+def test_a_differing_entry_is_reported_before_a_differing_count():
+    theirs = [("other", (4, 3), "float32")]
+    with pytest.raises(ValueError, match="#0 is '0.weight'"):
+        check_same_specs([SPECS, theirs], "model mismatch", "parameter", "parameters")
+
+
+# ---- unused_parameters_error
+
+def test_unused_parameters_error_names_parameters_ranks_and_the_fix():
+    err = unused_parameters_error(names=["a", "b", "c"], counts=[2, 1, 0], world=2, rank=1, seen=[1, 0, 0])
+    assert isinstance(err, RuntimeError)
+    msg = str(err)
+    assert "'b' (on 1 of 2 ranks), 'c' (on 2 of 2 ranks)" in msg
+    assert "'a'" not in msg  # every rank produced it
+    assert "on this rank (1): ['b', 'c']" in msg
+    assert "find_unused_parameters=True" in msg and "requires_grad=False" in msg
+
+
+def test_unused_parameters_error_on_a_rank_that_saw_them_all():
+    msg = str(unused_parameters_error(["a", "b"], counts=[1, 2], world=2, rank=0, seen=[1, 1]))
+    assert "'a' (on 1 of 2 ranks)" in msg
+    assert "on this rank (0): none." in msg
+
+
+def test_unused_parameters_error_shows_ten_and_counts_the_rest():
+    names = [f"p{i}" for i in range(13)]
+    msg = str(unused_parameters_error(names, counts=[0] * 13, world=4, rank=0, seen=[0] * 13))
+    assert "'p9' (on 4 of 4 ranks) (+3 more)" in msg
+    assert "'p10' (on" not in msg
+
+
+def test_unused_parameters_error_shows_jax_key_paths_unquoted():
+    msg = str(unused_parameters_error(["['dec']['b']"], counts=[0], world=2, rank=0, seen=[0]))
+    assert "['dec']['b'] (on 2 of 2 ranks)" in msg
+
+
+# ---- nonfinite_error
+
+def test_nonfinite_error_names_each_rank_and_its_parameters():
+    err = nonfinite_error([[], ["0.weight", "1.weight"], [], ["2.bias"]], rank=0)
+    assert isinstance(err, FloatingPointError)
+    msg = str(err)
+    assert "-- rank 1: '0.weight', '1.weight'; rank 3: '2.bias' (this is rank 0)" in msg
+    assert "rank 0:" not in msg and "rank 2:" not in msg  # ranks with finite gradients
+    assert ".grad was left as it was" in msg
+    assert "lower the learning rate, or skip the step" in msg
+
+
+def test_nonfinite_error_shows_five_names_per_rank():
+    msg = str(nonfinite_error([[f"p{i}" for i in range(7)]], rank=0))
+    assert "rank 0: 'p0', 'p1', 'p2', 'p3', 'p4' ... (this is rank 0)" in msg
+    assert "'p5'" not in msg
+
+
+# ---- check_same_step
+
+@pytest.fixture
+def step_check_on(monkeypatch):
+    monkeypatch.delenv("PORTDDP_CHECK_STEPS", raising=False)
+
+
+def test_same_steps_pass(step_check_on):
+    check_same_step([7, 7, 7], rank=0)
+    check_same_step([4], rank=0)
+
+
+def test_joined_ranks_zero_are_not_compared(step_check_on):
+    check_same_step([0, 5, 5], rank=1)
+    check_same_step([0, 0], rank=0)
+    check_same_step([5, 0], rank=0)
+
+
+def test_different_steps_name_each_rank_and_the_fixes(step_check_on):
+    with pytest.raises(RuntimeError) as e:
+        check_same_step([3, 0, 2], rank=2)
+    msg = str(e.value)
+    assert "(rank 0 at step 3, rank 2 at step 2; this is rank 2;" in msg
+    assert "rank 1" not in msg  # the joined rank
+    assert "no_sync()" in msg and "join()" in msg and "ddp.uneven()" in msg
+    assert "PORTDDP_CHECK_STEPS=0" in msg
+
+
+def test_check_steps_zero_turns_the_check_off(monkeypatch):
+    monkeypatch.setenv("PORTDDP_CHECK_STEPS", "0")
+    check_same_step([3, 2], rank=0)
+    monkeypatch.setenv("PORTDDP_CHECK_STEPS", "1")
+    with pytest.raises(RuntimeError, match="different steps"):
+        check_same_step([3, 2], rank=0)
+
+
+# ---- check_same_hook
+
+def test_same_hooks_pass():
+    check_same_hook(["fp16_compress_hook", "fp16_compress_hook"], rank=0)
+    check_same_hook([None, None], rank=1)
+
+
+def test_different_hooks_name_every_rank_and_the_fix():
+    with pytest.raises(RuntimeError) as e:
+        check_same_hook(["fp16_compress_hook", None, "fp16_compress_hook"], rank=1)
+    msg = str(e.value)
+    assert "comm hooks differ across ranks (rank 0: fp16_compress_hook, rank 1: none, rank 2: fp16_compress_hook; " \
+           "this is rank 1)" in msg
+    assert "register_comm_hook with the same hook before the first backward" in msg
+
+
+# ---- buffer sync header
+
+def test_buffer_sync_header_is_three_ints():
+    header = buffer_sync_header(np.int64(4), True, 9)
+    assert header == [4, 1, 9] and all(type(x) is int for x in header)
+    assert buffer_sync_header(0, False, 0) == [0, 0, 0]
+
+
+def test_matching_headers_pass_whatever_their_container():
+    check_buffer_sync_header([3, 1, 5], [3, 1, 5], src=0, rank=1)
+    # what a Bcast delivers: an int64 array
+    check_buffer_sync_header(np.array([3, 1, 5], dtype=np.int64), buffer_sync_header(3, True, 5), src=0, rank=1)
+
+
+def test_mismatched_header_describes_both_forwards_and_the_fix():
+    theirs = np.array(buffer_sync_header(3, False, 7), dtype=np.int64)  # rank 0 evaluated alone
+    mine = buffer_sync_header(3, True, 6)
+    with pytest.raises(RuntimeError) as e:
+        check_buffer_sync_header(theirs, mine, src=0, rank=1)
+    msg = str(e.value)
+    assert ("rank 0 broadcast its buffers in buffer sync #8, for a forward without gradient sync "
+            "(no_grad/eval/no_sync) after 3 synchronised iterations, but this rank (1) is in buffer sync #7, for a "
+            "forward that synchronises gradients after 3 synchronised iterations") in msg
+    assert "np.int64" not in msg
+    assert "ddp.module(...)" in msg and "`if rank == 0: ddp(val_batch)`" in msg
