@@ -73,7 +73,8 @@ class CapTuner:
         """A synchronised iteration starts now: the cap it must use, or None when the trials are
         over and `decide` must be called (by every rank: it is a collective)."""
         finished = self._iteration - 1
-        if self._last_start is not None and (slot := self._slot(finished)) is not None and slot[1] >= self.warmup:
+        if (self._last_start is not None and (slot := self._slot(finished)) is not None
+                and slot[0] < len(self.candidates) and slot[1] >= self.warmup):
             self.times_s[slot[0]].append((now_ns - self._last_start) * 1e-9)
         self._last_start = now_ns
         slot = self._slot(self._iteration)

@@ -55,7 +55,8 @@ __all__ = ["buffer_sync_header", "check_buffer_sync_header", "check_same_config"
 def check_same_config(everyone: Sequence[dict]) -> None:
     """Raise on every rank if any rank's DDP arguments (bucket caps, transport) differ from rank 0's."""
     for r, theirs in enumerate(everyone[1:], start=1):
-        for key, ours in everyone[0].items():
+        for key in [*everyone[0], *(k for k in theirs if k not in everyone[0])]:
+            ours = everyone[0].get(key)
             if theirs.get(key) != ours:
                 raise ValueError(
                     f"DistributedDataParallel arguments differ across ranks: {key} is {ours!r} on rank 0 but "

@@ -42,8 +42,6 @@ def test_config_key_missing_on_another_rank():
         check_same_config([CONFIG, theirs])
 
 
-@pytest.mark.xfail(strict=True, reason="check_same_config only walks rank 0's keys: a key that only another "
-                                       "rank sends (e.g. ranks running different portddp versions) passes")
 def test_config_key_only_another_rank_has_is_a_difference():
     with pytest.raises(ValueError, match="gradient_as_bucket_view"):
         check_same_config([CONFIG, CONFIG | {"gradient_as_bucket_view": True}])

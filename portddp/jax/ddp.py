@@ -54,6 +54,7 @@ import numpy as np
 
 from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
+from portddp.common import DDPCommon
 from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
@@ -137,7 +138,7 @@ class _PlanState(NamedTuple):
     steps: dict  # per step function: its jitted (hooked) or compiled (compiled.Step) program
 
 
-class DistributedDataParallel:
+class DistributedDataParallel(DDPCommon):
     """Data-parallel gradients for a parameter pytree (or a Flax NNX state).
 
     Args:
@@ -855,31 +856,7 @@ class DistributedDataParallel:
                 self._install_plan(rebuild_plan(self._plan, order, cap, self.first_bucket_cap_mb) if order is not None
                                    else plan_buckets(self._plan.specs, cap, self.first_bucket_cap_mb))
 
-    def plan_state(self) -> dict:
-        """The bucket plan in use and the cap it was made with, as plain JSON (what a checkpoint keeps
-        so a resumed run buckets exactly as the saved one did, without re-learning the order)."""
-        return {"bucket_plan": self._plan.to_json(), "bucket_cap_mb": self.bucket_cap_mb}
-
-    def load_plan_state(self, state: dict) -> None:
-        """Use a plan from `plan_state()` from now on, as if this run had rebuilt (and autotuned) it
-        itself. The plan must be for the same parameters."""
-        plan = BucketPlan.from_json(state["bucket_plan"])
-        if plan.specs != self._plan.specs:
-            raise ValueError("load_plan_state: the saved bucket plan is for other parameters than this model's")
-        self.bucket_cap_mb = state["bucket_cap_mb"]
-        if self._tuner is not None:
-            self._tuner.chosen = self.bucket_cap_mb  # tuned already, in the run that saved it
-        self._install_plan(plan)
-        self._rebuild_order = None
-        self._observed_order = [k for b in plan.buckets for k in b.params]
-        if self.strategy == "hooked":
-            self._rebuilt = True
-
     # ---- stats
-    def _issue(self, what: str) -> None:
-        """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
-        watchdog.collective(f"iteration {self._iterations + 1}: {what}")
-
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         extra = {"iterations": self._iterations, "bucket_cap_mb": self.bucket_cap_mb}

@@ -24,7 +24,24 @@ The constructor takes native DDP's arguments in native's order (a script that
 swaps only its import keeps working) and portddp's own knobs keyword-only; the
 wrapper is an `nn.Module` like native's (`state_dict()` keys carry `module.`,
 `.to()`/`.double()` re-plan the buckets) and a `Joinable`, so native's
-`Join` context manager -- and `ddp.join()` -- train on uneven inputs.
+`Join` context manager -- and `ddp.join()` -- train on uneven inputs. That
+interface lives in portddp/torch/native.py, mixed in.
+
+Mirrors portddp/jax/ddp.py: the same sections in the same order, the same
+method names for the same roles. What PyTorch has that JAX has not:
+
+* Per-parameter autograd hooks (`_make_hook`): a gradient is ready when
+  autograd has accumulated it into `.grad`; a bucket is ready when its last
+  parameter's is (JAX: one tap per bucket, which arrives whole).
+* A forward to hook into (`forward` -> `_pre_forward`/`_post_forward`): the
+  iteration opens there, and `no_sync()` is a flag it reads (JAX: grad_fn's
+  `sync=`); the end of backward is a callback queued on autograd's engine.
+* Gradients live in `.grad` (written back, or the bucket itself with
+  gradient_as_bucket_view), parameters may go unused (find_unused_parameters,
+  static_graph), and the module may change after wrapping (`.to()`, new
+  parameters): checked at every forward.
+* Uneven inputs through native's `Join` (a joined rank shadows the others'
+  forward and backward); JAX has `ddp.uneven()`.
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
+from portddp.common import DDPCommon
 from portddp.config import DDPConfig
 from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_hook,
                               check_same_step, check_same_specs, nonfinite_error, unused_parameters_error)
@@ -97,7 +115,7 @@ class GradBucket:
         return self._comm.allreduce(tensor)
 
 
-class DistributedDataParallel(NativeInterface, nn.Module, Joinable):
+class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     """Data parallelism by gradient averaging with communication overlapped with backward.
 
     Takes native `torch.nn.parallel.DistributedDataParallel`'s arguments, in its
@@ -723,30 +741,7 @@ class DistributedDataParallel(NativeInterface, nn.Module, Joinable):
             if self._observed_order is not None:  # else the pending rebuild plans with the new cap
                 self._install_plan(rebuild_plan(self._plan, self._observed_order, cap, self.first_bucket_cap_mb))
 
-    def plan_state(self) -> dict:
-        """The bucket plan in use and the cap it was made with, as plain JSON (what a checkpoint keeps
-        so a resumed run buckets exactly as the saved one did, without re-learning the order)."""
-        return {"bucket_plan": self._plan.to_json(), "bucket_cap_mb": self.bucket_cap_mb}
-
-    def load_plan_state(self, state: dict) -> None:
-        """Use a plan from `plan_state()` from now on, as if this run had rebuilt (and autotuned) it
-        itself. The plan must be for the same parameters."""
-        plan = BucketPlan.from_json(state["bucket_plan"])
-        if plan.specs != self._plan.specs:
-            raise ValueError("load_plan_state: the saved bucket plan is for other parameters than this model's")
-        self.bucket_cap_mb = state["bucket_cap_mb"]
-        if self._tuner is not None:
-            self._tuner.chosen = self.bucket_cap_mb  # tuned already, in the run that saved it
-        self._install_plan(plan)
-        self._rebuild_order = None
-        self._observed_order = [k for b in plan.buckets for k in b.params]
-        self._rebuilt = True
-
     # ---- stats
-    def _issue(self, what: str) -> None:
-        """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
-        watchdog.collective(f"iteration {self._iterations + 1}: {what}")
-
     def stats(self) -> dict:
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         if self._last_events is None:

@@ -1,0 +1,41 @@
+"""What the two DistributedDataParallel classes do in exactly the same way, in one place.
+
+portddp/torch/ddp.py and portddp/jax/ddp.py mirror each other method by method;
+where a method would be the same text in both -- it touches only the bucket
+plan, the cap and the rank's bookkeeping, never a tensor or an array -- it
+lives here, and both classes inherit it.
+"""
+
+from __future__ import annotations
+
+from portddp import watchdog
+from portddp.buckets import BucketPlan
+
+__all__ = ["DDPCommon"]
+
+
+class DDPCommon:
+    """Shared by portddp.torch's and portddp.jax's DistributedDataParallel."""
+
+    def plan_state(self) -> dict:
+        """The bucket plan in use and the cap it was made with, as plain JSON (what a checkpoint keeps
+        so a resumed run buckets exactly as the saved one did, without re-learning the order)."""
+        return {"bucket_plan": self._plan.to_json(), "bucket_cap_mb": self.bucket_cap_mb}
+
+    def load_plan_state(self, state: dict) -> None:
+        """Use a plan from `plan_state()` from now on, as if this run had rebuilt (and autotuned) it
+        itself. The plan must be for the same parameters."""
+        plan = BucketPlan.from_json(state["bucket_plan"])
+        if plan.specs != self._plan.specs:
+            raise ValueError("load_plan_state: the saved bucket plan is for other parameters than this model's")
+        self.bucket_cap_mb = state["bucket_cap_mb"]
+        if self._tuner is not None:
+            self._tuner.chosen = self.bucket_cap_mb  # tuned already, in the run that saved it
+        self._install_plan(plan)
+        self._rebuild_order = None
+        self._observed_order = [k for b in plan.buckets for k in b.params]
+        self._rebuilt = True
+
+    def _issue(self, what: str) -> None:
+        """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
+        watchdog.collective(f"iteration {self._iterations + 1}: {what}")
