@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -136,9 +139,18 @@ def test_a_killed_launcher_leaves_nothing_after_the_next_start():
 
 def test_without_root_the_cluster_says_what_is_missing():
     if os.geteuid() == 0:
-        why = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
-                              "portddp.cluster", "--check"], capture_output=True, text=True, cwd=mpi.ROOT,
-                             env={**os.environ, "PYTHONPATH": str(mpi.ROOT)})
+        # As nobody, from a copy of the package that nobody can read (the checkout may sit in a
+        # directory only root can enter, e.g. one made by mktemp -d).
+        readable = Path(tempfile.mkdtemp(prefix="pddp-nobody-"))
+        try:
+            readable.chmod(0o755)
+            shutil.copytree(Path(mpi.ROOT) / "portddp", readable / "portddp",
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            why = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                                  "portddp.cluster", "--check"], capture_output=True, text=True, cwd=readable,
+                                 env={**os.environ, "PYTHONPATH": str(readable)})
+        finally:
+            shutil.rmtree(readable, ignore_errors=True)
     else:
         why = subprocess.run([sys.executable, "-m", "portddp.cluster", "--check"], capture_output=True, text=True)
     if "No such file" in why.stderr or "setpriv: " in why.stderr:
