@@ -273,9 +273,6 @@ class MPITransport:
         """Every rank's `obj`, in rank order (blocking; small objects only)."""
         return self._submit(lambda: self.comm.allgather(obj)).wait()
 
-    def bcast_object(self, obj, root: int = 0):
-        return self._submit(lambda: self.comm.bcast(obj, root=root)).wait()
-
     def barrier(self) -> None:
         self._submit(lambda: self.comm.Barrier() if self._spin else self._wait(self.comm.Ibarrier())).wait()
 
