@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from portddp import watchdog
 from portddp.buckets import BucketPlan
+from portddp.protocol import check_same_hook
 
-__all__ = ["DDPCommon"]
+__all__ = ["DDPCommon", "hook_name"]
+
+
+def hook_name(hook) -> str:
+    return str(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
 
 
 class DDPCommon:
@@ -39,3 +44,12 @@ class DDPCommon:
     def _issue(self, what: str) -> None:
         """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
         watchdog.collective(f"iteration {self._iterations + 1}: {what}")
+
+    def _agree_on_hook(self) -> None:
+        """Once, before the first bucket is reduced: the same comm hook (or none) on every rank."""
+        name = hook_name(self._hook) if self._hook is not None else None
+        if self.world_size > 1:
+            self._issue("comm hook check")
+            with watchdog.waiting():
+                check_same_hook(self._comm.allgather_object(name), self.rank)
+        self._hooks_agreed = True

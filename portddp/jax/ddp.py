@@ -54,12 +54,12 @@ import numpy as np
 
 from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
-from portddp.common import DDPCommon
+from portddp.common import DDPCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout
-from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_hook,
+from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
                               check_same_step, check_same_specs, nonfinite_error, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
@@ -724,15 +724,6 @@ class DistributedDataParallel(DDPCommon):
         if not np.shares_memory(result, expected):
             expected[...] = result.reshape(-1)
 
-    def _agree_on_hook(self) -> None:
-        """Once, before the first bucket is reduced: the same comm hook (or none) on every rank."""
-        name = _hook_name(self._hook) if self._hook is not None else None
-        if self.world_size > 1:
-            self._issue("comm hook check")
-            with watchdog.waiting():
-                check_same_hook(self._comm.allgather_object(name), self.rank)
-        self._hooks_agreed = True
-
     # ---- finalize
     def _finalize(self) -> None:
         """After the computation: launch the rest, wait in plan order, agree on the used counts."""
@@ -873,10 +864,6 @@ def _reduced_shapes(plan: BucketPlan) -> list:
     """What the host hands back into a traced program: one array per parameter, in plan order."""
     return [jax.ShapeDtypeStruct(plan.specs[k].shape, jnp.dtype(plan.specs[k].dtype))
             for bucket in plan.buckets for k in bucket.params]
-
-
-def _hook_name(hook) -> str:
-    return str(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
 
 
 _JOINED_OUTSIDE = ("grad_fn got JOINED as the batch outside a step of ddp.uneven() in which some rank has joined: "

@@ -56,9 +56,9 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
-from portddp.common import DDPCommon
+from portddp.common import DDPCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
-from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_hook,
+from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
                               check_same_step, check_same_specs, nonfinite_error, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
@@ -582,15 +582,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 "bucket (bucket.buffer() after the reduction), not a part or a summary of it")
         return tensor
 
-    def _agree_on_hook(self) -> None:
-        """Once, before the first bucket is reduced: the same comm hook (or none) on every rank."""
-        name = _hook_name(self._hook) if self._hook is not None else None
-        if self.world_size > 1:
-            self._issue("comm hook check")
-            with watchdog.waiting():
-                check_same_hook(self._comm.allgather_object(name), self.rank)
-        self._hooks_agreed = True
-
     # ---- finalize
     def _finalize(self) -> None:
         """End of backward: launch the rest, wait in order, agree on unused params, write .grad."""
@@ -750,10 +741,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra
-
-
-def _hook_name(hook) -> str:
-    return str(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
 
 
 def _tensor_of(value) -> torch.Tensor:
