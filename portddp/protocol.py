@@ -137,7 +137,7 @@ def check_same_step(steps: Sequence[int], rank: int) -> None:
         f"ranks reached this gradient reduction at different steps ({where}; this is rank {rank}; a step is a "
         "forward with autograd on through the wrapper, no_sync ones included -- JAX: a grad_fn call): some rank "
         "ran a step locally that the others synchronised, or the other way round (no_sync() / sync=False on some "
-        "ranks only, an extra forward on some ranks), so its gradients were being averaged with another step's. "
+        "ranks only, a backward skipped on some ranks), so its gradients were being averaged with another step's. "
         "Every rank must run the same steps; give ranks with fewer batches join() (JAX: ddp.uneven()). If ranks "
         "accumulate different numbers of local steps on purpose, set PORTDDP_CHECK_STEPS=0")
 

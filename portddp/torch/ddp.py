@@ -469,7 +469,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._ready_order: list[int] = []
         self._finalize_queued = False
         self._expect_grads = True
-        watchdog.step_started()
         if not self._hooks_agreed:
             self._agree_on_hook()
         self._contributors = self.world_size
@@ -503,7 +502,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 f"parameter {self._names[i]!r} received its gradient twice in one backward pass; "
                 "DistributedDataParallel supports one gradient per parameter per iteration"
             )
-        if not self._finalize_queued:
+        if not self._finalize_queued:  # the first gradient: this iteration's collectives begin
+            watchdog.step_started()
             self._queue_finalize()
         self._seen[i] = 1
         if not self._rebuilt:

@@ -290,18 +290,23 @@ class NativeInterface:
         self._verify_pending = True  # every rank must have made the same change: checked at the next forward
 
     def _check_prior_reduction_finished(self) -> None:
-        """Native's rule: a synchronised forward must be followed by its backward before the next one."""
+        """A synchronised forward whose backward never started is dropped, as native DDP drops it
+        (validation with autograd on, on every rank, is legal). If only some ranks skipped it, their
+        step counts differ at the next reduction and every rank is told, naming each rank's step
+        (portddp.protocol.check_same_step). A backward that started and never finished is native's
+        error."""
         if not self._expect_grads:
             return
         self._expect_grads = False
+        if not any(self._seen):
+            return
         pending = [self._names[i] for i, seen in enumerate(self._seen) if not seen]
         raise RuntimeError(
             f"Expected to have finished reduction in the prior iteration before starting a new one: rank "
-            f"{self.rank} ran a forward (grad enabled, outside no_sync) without its backward, and the other ranks "
-            f"would now average this rank's step with their next one. Parameters still waiting: "
-            f"{pending[:5]}{' ...' if len(pending) > 5 else ''}. Call backward() on every synchronised forward's "
-            "output, run forwards you do not train on under torch.no_grad() or on ddp.module, or pass "
-            "find_unused_parameters=True if some outputs are not used in the loss"
+            f"{self.rank}'s last backward ended before every parameter's gradient had arrived. Parameters still "
+            f"waiting: {pending[:5]}{' ...' if len(pending) > 5 else ''}. Call backward() on every synchronised "
+            "forward's output (once), run forwards you do not train on under torch.no_grad() or on ddp.module, "
+            "or pass find_unused_parameters=True if some outputs are not used in the loss"
         )
 
     def _queue_finalize(self) -> None:

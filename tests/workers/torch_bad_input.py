@@ -125,6 +125,12 @@ def run(case: str, transport: str) -> None:
             loss = ddp(torch.ones(2, 4)).sum()
             if not (last and step == 0):  # the last rank skips one backward ("no valid targets: continue")
                 loss.backward()
+    elif case == "forward_without_backward_everywhere":
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        for step in range(3):
+            loss = ddp(torch.ones(2, 4)).sum()
+            if step != 1:  # step 1: a validation loss, computed with autograd on, on every rank
+                loss.backward()
     elif case.startswith("hook_"):  # a comm hook that breaks native's contract
         import torch.distributed as dist  # noqa: PLC0415
 
