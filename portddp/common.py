@@ -8,6 +8,8 @@ lives here, and both classes inherit it.
 
 from __future__ import annotations
 
+import functools
+
 from portddp import watchdog
 from portddp.buckets import BucketPlan
 from portddp.protocol import check_same_hook
@@ -16,7 +18,12 @@ __all__ = ["DDPCommon", "hook_name"]
 
 
 def hook_name(hook) -> str:
-    return str(getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or hook)
+    """A comm hook's name, the same in every process (no memory addresses): a function's qualified
+    name, a functools.partial's function's, a callable object's class's."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None)
+    return name if isinstance(name, str) else type(hook).__qualname__
 
 
 class DDPCommon:

@@ -64,3 +64,19 @@ def test_backward_with_create_graph_averages_the_gradient_and_warns():
     for _, requires_grad, grad, mean in grads:
         assert requires_grad == "True" and grad == mean, grads
     assert "higher-order gradients taken through it are not synchronised" in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["join_twice", "partial_hook_everywhere", "double_after_wrap"])
+def test_legal_patterns_pass_the_new_checks(case):
+    """Two join() epochs with uneven inputs (the step counts start again after each), a comm hook
+    wrapped in functools.partial (compared by name, not by address), BatchNorm buffers still synced
+    after `.double()` replaced them."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", case, "mpi", timeout=90)
+    assert proc.returncode == 0 and proc.stdout.count("PORTDDP_NO_ERROR") == 2, proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_named():
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "unfrozen_after_wrap", "mpi", timeout=90)
+    mpi.errors_on_every_rank(proc, 2, r"trainable parameters changed after DistributedDataParallel wrapped it: 3 "
+                                      r"then, 4 now \(added: \['0.weight'\]")
+

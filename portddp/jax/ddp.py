@@ -286,6 +286,7 @@ class DistributedDataParallel(DDPCommon):
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket) -> Handle; got {hook!r}")
         self._hook, self._hook_state = hook, state
+        self._hooks_agreed = False  # compared across ranks before the next bucket
 
     def value_and_grad(self, loss_fn, has_aux: bool = False):
         """`grad_fn(params, batch, sync=True) -> (loss, grads)`: grads are the mean over

@@ -235,6 +235,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         named = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         self._module_buffers = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
+        self._frozen = [p for n, p in module.named_parameters()  # watched: unfrozen later, they would train alone
+                        if not p.requires_grad and n not in self.parameters_to_ignore]
         self._registrations = registrations()  # parameters, buffers, modules (re)assigned so far
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -347,6 +349,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket) -> Future; got {hook!r}")
         self._hook, self._hook_state = hook, state
+        self._hooks_agreed = False  # compared across ranks before the next bucket
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -421,7 +424,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             if not p.requires_grad or p.dtype != v.dtype or p.device != v.device:
                 break
         else:
-            if self._registrations == registrations():
+            if self._registrations == registrations() and not any(p.requires_grad for p in self._frozen):
                 return
         self._registrations = registrations()
         self._module_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
@@ -444,11 +447,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _will_sync_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers)
 
-    def _sync_buffers(self, synchronises: bool, check: bool = True) -> None:
+    def _sync_buffers(self, synchronises: bool, joined: bool = False) -> None:
         """Rank 0's buffers everywhere (in join(): those of the highest rank still training), with a
         header saying which forward they were sent for (does it synchronise gradients?), checked
         by the receivers (not by a joined rank's shadow, which takes whatever the others send)."""
-        src = self._find_common_rank(True) if self._join_config.enable else 0
+        src = self._find_common_rank(not joined) if self._join_config.enable else 0
         mine = buffer_sync_header(self._iterations, synchronises, self._buffer_syncs)
         self._buffer_syncs += 1
         if self.world_size > 1:
@@ -456,7 +459,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._issue("buffer broadcast")
             with torch.no_grad(), watchdog.waiting():
                 self._comm.broadcast_([*self._module_buffers, header], src=src)
-            if check and self.rank != src:
+            if not joined and self.rank != src:
                 check_buffer_sync_header(header.tolist(), mine, src, self.rank)
 
     def _begin_iteration(self, start_ns: int) -> None:
@@ -502,8 +505,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 f"parameter {self._names[i]!r} received its gradient twice in one backward pass; "
                 "DistributedDataParallel supports one gradient per parameter per iteration"
             )
-        if not self._finalize_queued:  # the first gradient: this iteration's collectives begin
-            watchdog.step_started()
+        if not self._finalize_queued:
             self._queue_finalize()
         self._seen[i] = 1
         if not self._rebuilt:
@@ -683,7 +685,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self._rebuild_order is not None:
             self._rebuild()
         if self._will_sync_buffers():
-            self._sync_buffers(True, check=False)
+            self._sync_buffers(True, joined=True)
         with watchdog.waiting():
             contributors = int(self._exchange_sync_flag(False).wait()[0])
         self.require_forward_param_sync = contributors > 0

@@ -81,6 +81,7 @@ class _JoinHook(JoinHook):
         ddp = self.ddp
         src = ddp._find_common_rank(is_last_joiner)
         ddp._broadcast_state(src=src, buffers=ddp.forward_sync_buffers)
+        ddp._step_count = 0  # the joined ranks stopped counting: every rank starts again from here
 
 
 class NativeInterface:
@@ -274,8 +275,11 @@ class NativeInterface:
     def _apply(self, fn, recurse=True):
         """`.to()`, `.double()`, `.cuda()`, ... reach the module; the buckets follow at the next forward."""
         super()._apply(fn, recurse)
-        if hasattr(self, "_plan") and [s for s in self._specs()] != list(self._plan.specs):
-            self._replan()
+        if hasattr(self, "_plan"):
+            # _apply replaces buffers (and parameters' data) without registering them again: look again.
+            self._module_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+            if [s for s in self._specs()] != list(self._plan.specs):
+                self._replan()
         return self
 
     def _replan(self) -> None:
@@ -311,6 +315,7 @@ class NativeInterface:
 
     def _queue_finalize(self) -> None:
         if not self._finalize_queued:
+            watchdog.step_started()  # this iteration's collectives begin
             # Runs once autograd has finished the whole graph.
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._finalize_queued = True

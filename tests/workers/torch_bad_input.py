@@ -131,6 +131,44 @@ def run(case: str, transport: str) -> None:
             loss = ddp(torch.ones(2, 4)).sum()
             if step != 1:  # step 1: a validation loss, computed with autograd on, on every rank
                 loss.backward()
+    elif case == "join_twice":  # two epochs of uneven inputs, each in its own join(): legal
+        from torch.distributed.algorithms.join import Join  # noqa: PLC0415
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        ddp = DistributedDataParallel(model, transport=transport)
+        for _epoch in range(2):
+            with Join([ddp]):
+                for _ in range(3 + 2 * w.rank):
+                    ddp(torch.randn(8, 4)).sum().backward()
+        ddp(torch.randn(8, 4)).sum().backward()
+    elif case == "partial_hook_everywhere":  # a functools.partial hook on every rank: legal
+        import functools  # noqa: PLC0415
+
+        from portddp.torch.hooks import allreduce_hook  # noqa: PLC0415
+
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        ddp.register_comm_hook(None, functools.partial(allreduce_hook))
+        ddp(torch.ones(2, 4)).sum().backward()
+    elif case == "double_after_wrap":  # .double() replaces the buffers: the synced ones must be the new ones
+        from portddp.launch import allgather_object  # noqa: PLC0415
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        ddp = DistributedDataParallel(model, transport=transport).double()
+        for _ in range(3):
+            ddp(torch.randn(8, 4, dtype=torch.float64) + w.rank).sum().backward()
+        ddp.eval()
+        with torch.no_grad():  # starts from rank 0's buffers (synced), and evaluation leaves them alone
+            ddp(torch.randn(8, 4, dtype=torch.float64))
+        stats = allgather_object(model[1].running_mean.tolist())
+        if stats[0] != stats[-1]:
+            raise AssertionError(f"BatchNorm statistics differ across ranks after .double(): {stats}")
+    elif case == "unfrozen_after_wrap":
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model[0].weight.requires_grad_(False)
+        ddp = DistributedDataParallel(model, transport=transport)
+        ddp(torch.ones(2, 4)).sum().backward()
+        model[0].weight.requires_grad_(True)
+        ddp(torch.ones(2, 4)).sum().backward()
     elif case.startswith("hook_"):  # a comm hook that breaks native's contract
         import torch.distributed as dist  # noqa: PLC0415
 
