@@ -49,7 +49,7 @@ import os
 from collections.abc import Sequence
 
 __all__ = ["buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_hook", "check_same_step",
-           "check_same_specs", "nonfinite_error", "unused_parameters_error"]
+           "check_same_specs", "hook_result_error", "nonfinite_error", "unused_parameters_error"]
 
 
 def check_same_config(everyone: Sequence[dict]) -> None:
@@ -140,6 +140,14 @@ def check_same_step(steps: Sequence[int], rank: int) -> None:
         "ranks only, a backward skipped on some ranks), so its gradients were being averaged with another step's. "
         "Every rank must run the same steps; give ranks with fewer batches join() (JAX: ddp.uneven()). If ranks "
         "accumulate different numbers of local steps on purpose, set PORTDDP_CHECK_STEPS=0")
+
+
+def hook_result_error(hook: str, bucket: int, got: str, size: int, dtype: str, future: str) -> RuntimeError:
+    """A comm hook's result is not the reduced bucket (both frontends: `future` is "future" or "handle")."""
+    return RuntimeError(
+        f"comm hook {hook}'s {future} for bucket {bucket} resolved to {got}, but the bucket holds {size} {dtype} "
+        "gradients: return the whole reduced bucket (bucket.buffer() after the reduction), not a part or a "
+        "summary of it")
 
 
 def check_same_hook(everyone: Sequence[str | None], rank: int) -> None:

@@ -60,7 +60,8 @@ from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout
 from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
-                              check_same_step, check_same_specs, nonfinite_error, unused_parameters_error)
+                              check_same_step, check_same_specs, hook_result_error, nonfinite_error,
+                              unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
 
@@ -718,10 +719,7 @@ class DistributedDataParallel(DDPCommon):
                 jnp.issubdtype(result.dtype, jnp.floating)):
             got = (f"a {result.shape} {result.dtype} array" if isinstance(result, np.ndarray)
                    else type(result).__name__)
-            raise RuntimeError(
-                f"comm hook {name}'s handle for bucket {b} resolved to {got}, but the bucket holds "
-                f"{expected.size} {expected.dtype} gradients: return the whole reduced bucket (bucket.buffer() "
-                "after the reduction), not a part or a summary of it")
+            raise hook_result_error(name, b, got, expected.size, str(expected.dtype), "handle")
         if not np.shares_memory(result, expected):
             expected[...] = result.reshape(-1)
 

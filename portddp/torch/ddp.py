@@ -59,7 +59,8 @@ from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
 from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
-                              check_same_step, check_same_specs, nonfinite_error, unused_parameters_error)
+                              check_same_step, check_same_specs, hook_result_error, nonfinite_error,
+                              unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
 from portddp.torch.native import NativeInterface, _done, registrations
@@ -578,10 +579,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 tensor.dtype.is_floating_point):
             got = (f"a {tuple(tensor.shape)} {_dtype_name(tensor.dtype)} tensor" if isinstance(tensor, torch.Tensor)
                    else type(result).__name__)
-            raise RuntimeError(
-                f"comm hook {_hook_name(self._hook)}'s future for bucket {b} resolved to {got}, but the bucket "
-                f"holds {expected.numel()} {_dtype_name(expected.dtype)} gradients: return the whole reduced "
-                "bucket (bucket.buffer() after the reduction), not a part or a summary of it")
+            raise hook_result_error(_hook_name(self._hook), b, got, expected.numel(), _dtype_name(expected.dtype),
+                                    "future")
         return tensor
 
     # ---- finalize
