@@ -10,6 +10,7 @@ Every rank prints `PORTDDP_ERROR rank=<r> <message>` and exits 3, or
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 
@@ -50,7 +51,6 @@ def run(case: str, transport: str) -> None:
         portddp.init()
         return
     if case == "master_port_in_use":  # something else listens on MASTER_PORT (rank 0 opens it first)
-        import os  # noqa: PLC0415
         import socket  # noqa: PLC0415
 
         from portddp.launch import _free_port, mpi_comm  # noqa: PLC0415
@@ -240,7 +240,8 @@ def run(case: str, transport: str) -> None:
         mean = torch.stack(local).mean(0)
         grad = model[0].weight.grad
         close = torch.allclose(grad, mean, atol=1e-6)
-        print(f"CREATE_GRAPH rank={w.rank} requires_grad={grad.requires_grad} grad={close} mean=True", flush=True)
+        line = f"CREATE_GRAPH rank={w.rank} requires_grad={grad.requires_grad} grad={close} mean=True\n"
+        os.write(1, line.encode())  # one write(): mpirun does not split the line when it merges the ranks' output
         penalty = sum((p.grad ** 2).sum() for p in model.parameters())
         torch.autograd.grad(penalty, list(model.parameters()))  # the local higher-order graph is intact
     else:
