@@ -52,6 +52,16 @@ class DDPCommon:
         """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
         watchdog.collective(f"iteration {self._iterations + 1}: {what}")
 
+    def _tuned_cap(self, now: int) -> float:
+        """bucket_cap_mb="auto": the cap the tuner gives this synchronised iteration; once its trials
+        are over, the winner every rank agrees on (a collective, on every rank)."""
+        cap = self._tuner.start_iteration(now)
+        if cap is None:
+            self._issue("bucket_cap_mb='auto' decision")
+            with watchdog.waiting():
+                cap = self._tuner.decide(self._comm.allgather_object, self.rank)
+        return cap
+
     def _agree_on_hook(self) -> None:
         """Once, before the first bucket is reduced: the same comm hook (or none) on every rank."""
         name = hook_name(self._hook) if self._hook is not None else None

@@ -487,8 +487,8 @@ class DistributedDataParallel(DDPCommon):
                                      "inside your own jax.jit: pass a number of MB, or call grad_fn outside jit")
                 self._rebuilt, self._rebuild_order = True, None
             elif not traced:
-                if sync:
-                    self._autotune()
+                if sync and self._tuner is not None and not self._tuner.done:
+                    self._autotune(_now())
                 if self._rebuild_order is not None:
                     self._rebuild()
             if joined and (self.strategy == "hooked" or not sync):
@@ -829,15 +829,9 @@ class DistributedDataParallel(DDPCommon):
         self._rebuild_order = None
         self._rebuilt = True
 
-    def _autotune(self) -> None:
+    def _autotune(self, now: int) -> None:
         """bucket_cap_mb="auto": the cap this call uses; re-plan when it changes (which re-traces)."""
-        if self._tuner is None or self._tuner.done:
-            return
-        cap = self._tuner.start_iteration(_now())
-        if cap is None:  # trials over: agree on the winner (a collective, on every rank)
-            self._issue("bucket_cap_mb='auto' decision")
-            with watchdog.waiting():
-                cap = self._tuner.decide(self._comm.allgather_object, self.rank)
+        cap = self._tuned_cap(now)
         if cap != self.bucket_cap_mb:
             self.bucket_cap_mb = cap
             order = self._observed_order

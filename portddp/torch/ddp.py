@@ -723,11 +723,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
 
     def _autotune(self, now: int) -> None:
         """bucket_cap_mb="auto": the cap this iteration uses; re-plan (observed order) when it changes."""
-        cap = self._tuner.start_iteration(now)
-        if cap is None:  # trials over: agree on the winner (a collective, on every rank)
-            self._issue("bucket_cap_mb='auto' decision")
-            with watchdog.waiting():
-                cap = self._tuner.decide(self._comm.allgather_object, self.rank)
+        cap = self._tuned_cap(now)
         if cap != self.bucket_cap_mb:
             self.bucket_cap_mb = cap
             if self._observed_order is not None:  # else the pending rebuild plans with the new cap
