@@ -303,6 +303,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # the thread answers while the main thread may say goodbye
         self._done = False
+        self._failed = False  # this rank died of an uncaught exception (it then skips MPI_Finalize)
         self._selector = selectors.DefaultSelector()
         for r, s in self.socks.items():
             self._selector.register(s, selectors.EVENT_READ, r)
@@ -555,6 +556,7 @@ class Watchdog:
                 return
             self._done = True
         summary = f"{kind.__name__}: {(str(value).splitlines() or [''])[0][:300]}"
+        self._failed = True
         self._tell_all(_FAILED, summary)
         sys.excepthook = self._excepthook
         self._excepthook(kind, value, tb)
@@ -565,9 +567,20 @@ class Watchdog:
 
     def finished(self) -> None:
         """At exit: if nothing went wrong, say goodbye, so that the others let this rank go; then
-        stop the thread."""
+        stop the thread. A rank that died of an uncaught exception ends here, with Python's exit
+        code 1, after the exit handlers registered since portddp.init (the script's own) ran:
+        the handlers registered before -- mpi4py's MPI_Finalize, jax.distributed's shutdown --
+        wait for every rank, and the others have just been told to stop without them (MPICH's
+        Finalize then blocks in its PMI barrier for ever, seen about once in 15 runs)."""
         with self._lock:
             say_bye, self._done = not self._done, True
+        if self._failed and threading.current_thread() is threading.main_thread():
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(1)
         if say_bye:
             self._tell_all(_BYE, str(_STEPS.completed))
         try:
