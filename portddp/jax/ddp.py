@@ -210,6 +210,8 @@ class DistributedDataParallel(DDPCommon):
         self._verify_same_model(specs)
         if strategy == "compiled":
             compiled.process_devices(self.world_size)  # fails early without jax.distributed
+        if strategy == "hooked":
+            taps.keep_freed_memory()
         self._hook = None
         self._hook_state = None
         self._lock = threading.Lock()  # XLA may run independent host callbacks on different threads
