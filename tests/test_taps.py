@@ -1,10 +1,10 @@
 """portddp/jax/taps.py alone, one process: how XLA hands values to the host.
 
-`host_call` has two implementations: its own primitive on JAX's Python-callback custom call
-(the default: XLA's operands reach the callback without io_callback's device_put copy) and
-io_callback (where JAX lacks the internals, or PORTDDP_HOST_CALL=io_callback). Both must
-behave alike: same values, same scheduling rules, refused under vmap; and a hooked step must
-give the same gradients bit for bit through either."""
+`host_call` has two implementations: jax.experimental.buffer_callback (the default where JAX
+has it: the callback reads XLA's buffers and writes XLA's results in place, no copies) and
+io_callback (older JAX, or PORTDDP_HOST_CALL=io_callback). Both must behave alike: same
+values, same scheduling rules, refused under vmap; and a hooked step must give the same
+gradients bit for bit through either."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from portddp.jax import taps
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_the_direct_primitive_is_used_here():
-    assert taps._DIRECT is not None, "JAX's emit_python_callback is missing: host_call fell back to io_callback"
+def test_buffer_callback_is_used_here():
+    assert taps._buffer_callback is not None, "jax.experimental.buffer_callback is missing: host_call uses io_callback"
 
 
 def test_host_call_hands_numpy_operands_and_returns_the_results():
@@ -96,7 +96,7 @@ HOOKED = textwrap.dedent(r"""
                                       ).value_and_grad(loss)
     value, grads = grad_fn(params, x)
     _, reference = jax.jit(jax.value_and_grad(loss))(params, x)
-    print(json.dumps({"direct": taps._DIRECT is not None,
+    print(json.dumps({"direct": taps._buffer_callback is not None,
                       "grads": [np.asarray(g, np.float32).tolist() for g in jax.tree.leaves(grads)],
                       "worst": max(float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(r, np.float32))))
                                    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference))),
@@ -114,7 +114,7 @@ def _hooked(mode: str) -> dict:
 
 
 def test_a_hooked_step_gives_the_same_gradients_through_either_implementation():
-    direct, fallback = _hooked("direct"), _hooked("io_callback")
+    direct, fallback = _hooked("buffer"), _hooked("io_callback")
     assert direct["direct"] and not fallback["direct"]
     assert direct["equal"] and fallback["equal"], "world 1: the hooked gradients are jax.grad's"
     assert direct["grads"] == fallback["grads"]

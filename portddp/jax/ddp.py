@@ -6,7 +6,8 @@ method names for the same roles. What JAX forces to differ:
 * No per-parameter autograd hooks. Each bucket's parameters pass through a
   `jax.custom_vjp` identity (a "tap", `_make_tap`) on their way into the loss.
   Its backward rule receives the bucket's gradients the moment XLA has produced
-  them and hands them to the host with `io_callback` (portddp/jax/taps.py): the callback
+  them and hands them to the host (portddp/jax/taps.py: XLA lends its buffers to a
+  `jax.experimental.buffer_callback`; io_callback on older JAX): the callback
   packs them (divided by the world size) into the bucket's flat buffer and
   launches the all-reduce on the MPI transport's comm thread while XLA goes on
   with the backward pass. A bucket arrives whole: "ready" needs no counting.
