@@ -153,7 +153,7 @@ class MPITransport:
         self.node = node_comm(self.comm)
         self.local_rank, self.local_size = self.node.rank, self.node.size
         self.multi_host = self.local_size < self.size
-        self._max_pause = float(os.environ.get("PORTDDP_MPI_POLL_US", 500)) * 1e-6
+        self._max_pause = float(os.environ.get("PORTDDP_MPI_POLL_US", 1000)) * 1e-6
         # The all-reduce (PORTDDP_MPI_ALLREDUCE=shm|mpi): within a host on a shared-memory window
         # (portddp.shm; hierarchical across hosts), or MPI's own.
         self.allreduce_impl = os.environ.get("PORTDDP_MPI_ALLREDUCE", "shm")
@@ -218,20 +218,33 @@ class MPITransport:
                 return buf
         return np.empty(shape, dtype)
 
+    @staticmethod
+    def scales(dtype) -> bool:
+        """Whether `allreduce(..., scale=)` takes buffers of this dtype."""
+        return np.dtype(dtype).name in ("float32", "float64")
+
     def is_shared(self, buf: np.ndarray) -> bool:
         """Whether `allreduce(buf)` takes the zero-copy path (buf lies in the shared window)."""
         return self._shm is not None and self._shm.offset_of(buf) is not None
 
-    def allreduce(self, buf: np.ndarray, on_done=None) -> Handle:
-        """Sum `buf` over all ranks, in place. Returns at once."""
+    def allreduce(self, buf: np.ndarray, on_done=None, scale: float | None = None) -> Handle:
+        """Sum `buf` over all ranks, in place. Returns at once. With `scale` (float32/float64
+        buffers, `scales(dtype)`), every rank's contribution is multiplied by its own scale first
+        -- DDP's division by the world size, bitwise as if the caller had done it -- by the comm
+        thread: on shared memory inside the summing pass (no pass of its own), else just before."""
         spec, op = self._typed(buf)
         MPI = self._MPI
         shm = self._shm
+        if scale is not None and not self.scales(buf.dtype):
+            raise TypeError(f"a scaled all-reduce needs float32 or float64 buffers, not {buf.dtype}")
 
         def job():
             if shm is not None:
-                shm.allreduce(buf)
-            elif self._spin:
+                shm.allreduce(buf, scale)
+                return buf
+            if scale is not None:
+                np.multiply(buf, scale, out=buf)
+            if self._spin:
                 self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
             else:
                 self._wait(self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op))

@@ -304,6 +304,7 @@ class Watchdog:
         self._send_lock = threading.Lock()  # the thread answers while the main thread may say goodbye
         self._done = False
         self._failed = False  # this rank died of an uncaught exception (it then skips MPI_Finalize)
+        self._exiting = False  # _exit is under way (a second SIGTERM handler waits for it)
         self._selector = selectors.DefaultSelector()
         for r, s in self.socks.items():
             self._selector.register(s, selectors.EVENT_READ, r)
@@ -356,8 +357,11 @@ class Watchdog:
         self._terminated(signum)
 
     def _terminated(self, signum: int) -> None:
+        """(Main thread's handler, or the watchdog thread woken by the wakeup fd: both may run.)"""
         if self._thread.is_alive() and not self._done:
             self._exit(f"{self._who(self.rank)} received {signal.Signals(signum).name}", code=128 + signum)
+        if self._exiting:  # the other thread is ending this rank, naming the signal: let it
+            time.sleep(10)
         signal.signal(signum, signal.SIG_DFL)  # finished already: end the way the signal would
         os.kill(os.getpid(), signum)
 
@@ -533,7 +537,7 @@ class Watchdog:
         with self._lock:
             if self._done:
                 return
-            self._done = True
+            self._done = self._exiting = True
         head, _, rest = what.partition("\n")
         msg = (f"portddp: {head}; rank {self.rank} exits now (code {code}) rather than wait for collectives "
                f"that can never finish{detail}\n" + (rest + "\n" if rest else ""))

@@ -16,6 +16,7 @@ TRACED = (r"strategy='compiled' runs its own program .* cannot be traced into yo
           r"call grad_fn outside any transformation .* or use strategy='hooked'")
 CASES = {
     "hooked_under_scan": r"OK max_rel=",
+    "accumulate_inside_jit": r"OK steps=3$",
     "hooked_vmap": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) " + VMAP,
     "hooked_vmap_of_jit": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) " + VMAP,
     "compiled_vmap": "ValueError: " + TRACED.format(r"jax\.vmap"),

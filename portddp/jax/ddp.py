@@ -264,6 +264,8 @@ class DistributedDataParallel(DDPCommon):
             self._plans[key] = _PlanState(plan, [self._comm.zeros(b.numel, jnp.dtype(b.dtype)) for b in plan.buckets],
                                           [self._make_tap(b) for b in range(len(plan.buckets))], {})
         self._plan, self._buffers, self._taps, self._steps = self._plans[key]
+        # Buckets the transport divides while it reduces (MPI, float32/64): packed undivided.
+        self._comm_divides = [self._comm.scales(buf) for buf in self._buffers]
 
     def _grad_bucket(self, b: int, buffer: np.ndarray) -> GradBucket:
         bucket, specs = self._plan.buckets[b], self._plan.specs
@@ -471,6 +473,9 @@ class DistributedDataParallel(DDPCommon):
             self._check_parameters_unchanged(params)
             traced = taps.traced((params, state, batch))
             self._step_count += not traced  # (traced: counted when the program runs, by _begin_iteration)
+            if traced and not sync:  # an accumulation step inside the caller's jit: counted when it runs
+                taps.host_call(taps.reporting(self._count_step, self._callback_errors),
+                               jax.ShapeDtypeStruct((), jnp.float32))
             joined = isinstance(batch, Joined)
             if joined and (self._uneven is None or self._uneven.count == self.world_size):
                 raise ValueError(_JOINED_OUTSIDE)
@@ -610,6 +615,12 @@ class DistributedDataParallel(DDPCommon):
                 check_buffer_sync_header(header.tolist(), mine, 0, self.rank)
         return arrays
 
+    def _count_step(self) -> np.float32:
+        """(Host callback.) A grad_fn(sync=False) traced into the caller's program ran: the step
+        counts compared at the next reduction include it, as an eager call's do."""
+        self._step_count += 1
+        return np.float32(0)
+
     def _begin_iteration(self, dead=()) -> np.float32:
         """Open an iteration. The `dead` buckets (no tap fires: the loss uses none of their
         leaves) are zeros and ready at once; they launch in plan order like the others.
@@ -655,7 +666,7 @@ class DistributedDataParallel(DDPCommon):
         if grads is not None and self.check_finite:
             for k, g in zip(bucket.params, grads):
                 self._nonfinite[k] = not np.isfinite(g).all()
-        self._pack(b, grads, divide=self._hook is None)
+        self._pack(b, grads, divide=self._hook is None and not self._comm_divides[b])
         with self._lock:
             if grads is not None:
                 self._ready_order.extend(bucket.params)
@@ -668,7 +679,8 @@ class DistributedDataParallel(DDPCommon):
 
     def _pack(self, b: int, grads, divide: bool) -> None:
         """Copy bucket b's arrays (pytree layout, bucket order; None: zeros) into its flat buffer in
-        the canonical layout, divided by the world size unless a hook will divide."""
+        the canonical layout, divided by the world size if `divide` (not when a hook or the
+        transport will divide)."""
         buf, bucket = self._buffers[b], self._plan.buckets[b]
         if grads is None:
             buf.fill(0)
@@ -694,6 +706,8 @@ class DistributedDataParallel(DDPCommon):
     def _reduce_bucket(self, b: int, buffer: np.ndarray) -> Handle:
         self._issue(f"bucket {b}")
         if self._hook is None:
+            if self._comm_divides[b]:  # _pack left the division to the transport
+                return self._comm.allreduce(buffer, scale=self._inv_world)
             return self._comm.allreduce(buffer)
         try:
             handle = self._hook(self._hook_state, self._grad_bucket(b, buffer))

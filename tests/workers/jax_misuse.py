@@ -97,6 +97,21 @@ def other_dtype():
     grad_fn(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), batch(0).astype(jnp.bfloat16))
 
 
+def accumulate_inside_jit():
+    """Legal: rank 0 accumulates two micro-batches with grad_fn(sync=False) inside its own jax.jit,
+    rank 1 eagerly; then a synchronised step. Every call counts as a step (the counts are compared
+    at the reduction), so the ranks agree and the step succeeds."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    local = jax.jit(lambda p, x: grad_fn(p, x, sync=False)) if WORLD.rank == 0 else \
+        (lambda p, x: grad_fn(p, x, sync=False))
+    for s in range(2):
+        jax.block_until_ready(local(params, batch(s)))
+    jax.block_until_ready(grad_fn(params, batch(2)))
+    return f"steps={ddp._step_count}"
+
+
 def with_hook(hook):
     params = init_params()
     ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
@@ -119,6 +134,7 @@ def half_bucket(state, bucket):
 
 CASES = {
     "hooked_under_scan": hooked_under_scan,
+    "accumulate_inside_jit": accumulate_inside_jit,
     "hooked_vmap": hooked_vmap,
     "hooked_vmap_of_jit": hooked_vmap_of_jit,
     "compiled_vmap": compiled_vmap,
