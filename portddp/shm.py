@@ -119,7 +119,6 @@ class ShmAllreduce:
         self._seg_addr = self._segs[self.local_rank].ctypes.data
         self._counters = [s[:4].view(np.int32) for s in self._segs]
         self._desc = [s[8:64].view(np.int64) for s in self._segs]  # offset, nbytes, dtype code, count
-        self._scale = [s[64:72].view(np.float64) for s in self._segs]  # what each rank's data is multiplied by
         self._counter_addr = [s.ctypes.data for s in self._segs]
         self._seq = 0
         self.node.Barrier()
@@ -208,13 +207,8 @@ class ShmAllreduce:
         self.wall_waiting += time.perf_counter() - t0
 
     # -- the all-reduce --------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, scale: float | None = None) -> np.ndarray:
-        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. With `scale`
-        (float32/float64 only) each rank's contribution is first multiplied by its own scale, as
-        if it had multiplied its buffer before the all-reduce (the same roundings, bitwise), but
-        inside the summing pass, on cache-sized chunks: no extra pass over memory."""
-        if scale is not None and buf.dtype.name not in ("float32", "float64"):
-            raise TypeError(f"a scaled shared-memory all-reduce needs float32 or float64, not {buf.dtype}")
+    def allreduce(self, buf: np.ndarray) -> np.ndarray:
+        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking."""
         if not buf.flags.c_contiguous:
             raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
         flat = buf.reshape(-1)
@@ -225,17 +219,16 @@ class ShmAllreduce:
         home = self.offset_of(flat)
         for start in range(0, max(flat.size, 1), chunk):
             part = flat[start:start + chunk]
-            self._one(part, None if home is None else home + start * item, scale)
+            self._one(part, None if home is None else home + start * item)
         return buf
 
-    def _one(self, part: np.ndarray, offset: int | None, scale: float | None = None) -> None:
+    def _one(self, part: np.ndarray, offset: int | None) -> None:
         me, n = self.local_rank, self.local_size
         dtype, count = part.dtype, part.size
         if offset is None:  # copy into my scratch
             offset = _HEADER
             self._view(me, offset, dtype, count)[...] = part
         self._desc[me][:4] = (offset, part.nbytes, _DTYPES.index(dtype.name), count)
-        self._scale[me][0] = np.nan if scale is None else scale
         self._signal()
         self._wait_peers()
         views = []
@@ -248,12 +241,8 @@ class ShmAllreduce:
         bounds = _bounds(count, n, dtype.itemsize)
         lo, hi = bounds[me], bounds[me + 1]
         mine = views[me][lo:hi]
-        scales = [float(self._scale[j][0]) for j in range(n)]  # NaN: that rank's data as it is
         if hi > lo:
-            if all(np.isnan(scales)):
-                _sum_into(mine, [v[lo:hi] for v in views], me)
-            else:
-                _scaled_sum_into(mine, [v[lo:hi] for v in views], [1.0 if np.isnan(x) else x for x in scales])
+            _sum_into(mine, [v[lo:hi] for v in views], me)
         if self.cross is not None:
             self._cross_allreduce(mine)
         self._signal()
@@ -349,26 +338,6 @@ def _sum_into(out: np.ndarray, parts: list[np.ndarray], me: int) -> None:
     for p in parts[2:]:
         add(acc, p, acc)
     out[...] = acc
-
-
-_CHUNK_BYTES = 64 << 10  # a chunk of every part and the temporaries stay in L2
-
-
-def _scaled_sum_into(out: np.ndarray, parts: list[np.ndarray], scales: list[float]) -> None:
-    """out = ((parts[0]*scales[0] + parts[1]*scales[1]) + parts[2]*scales[2]) + ..., each product
-    rounded to the dtype first (what multiplying each buffer before the all-reduce gives); out
-    may be one of the parts' memory (a chunk of it is read before it is written)."""
-    step = max(_CHUNK_BYTES // out.dtype.itemsize, 1)
-    acc = np.empty(min(step, out.size), out.dtype)
-    tmp = np.empty_like(acc)
-    for lo in range(0, out.size, step):
-        hi = min(lo + step, out.size)
-        a, t = acc[: hi - lo], tmp[: hi - lo]
-        np.multiply(parts[0][lo:hi], scales[0], out=a)
-        for p, scale in zip(parts[1:], scales[1:]):
-            np.multiply(p[lo:hi], scale, out=t)
-            np.add(a, t, out=a)
-        out[lo:hi] = a
 
 
 def _half_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

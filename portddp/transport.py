@@ -218,33 +218,20 @@ class MPITransport:
                 return buf
         return np.empty(shape, dtype)
 
-    @staticmethod
-    def scales(dtype) -> bool:
-        """Whether `allreduce(..., scale=)` takes buffers of this dtype."""
-        return np.dtype(dtype).name in ("float32", "float64")
-
     def is_shared(self, buf: np.ndarray) -> bool:
         """Whether `allreduce(buf)` takes the zero-copy path (buf lies in the shared window)."""
         return self._shm is not None and self._shm.offset_of(buf) is not None
 
-    def allreduce(self, buf: np.ndarray, on_done=None, scale: float | None = None) -> Handle:
-        """Sum `buf` over all ranks, in place. Returns at once. With `scale` (float32/float64
-        buffers, `scales(dtype)`), every rank's contribution is multiplied by its own scale first
-        -- DDP's division by the world size, bitwise as if the caller had done it -- by the comm
-        thread: on shared memory inside the summing pass (no pass of its own), else just before."""
+    def allreduce(self, buf: np.ndarray, on_done=None) -> Handle:
+        """Sum `buf` over all ranks, in place. Returns at once."""
         spec, op = self._typed(buf)
         MPI = self._MPI
         shm = self._shm
-        if scale is not None and not self.scales(buf.dtype):
-            raise TypeError(f"a scaled all-reduce needs float32 or float64 buffers, not {buf.dtype}")
 
         def job():
             if shm is not None:
-                shm.allreduce(buf, scale)
-                return buf
-            if scale is not None:
-                np.multiply(buf, scale, out=buf)
-            if self._spin:
+                shm.allreduce(buf)
+            elif self._spin:
                 self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
             else:
                 self._wait(self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op))

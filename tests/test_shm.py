@@ -3,9 +3,7 @@
 n=2: bitwise equal to MPI's Allreduce for float32/float64/float16/bfloat16, sizes from 1 element
 to 300,001 (odd ones included), through the zero-copy path (a buffer from `empty`) and the copy
 path; n=3 (oversubscribed): close, and every rank holds the same bits; the emulated cluster's
-two hosts (root only): the hierarchical path. Scaled all-reduces (each rank's contribution times
-its own scale, inside the sum): the bits of scaling first and all-reducing (n=2: MPI's; n=3 on
-one host: the local-rank order shm sums in), also with one rank passing no scale."""
+two hosts (root only): the hierarchical path."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ def _check(proc, n: int, impl: str, hosts: int = 1) -> None:
     # every case of the worker was checked: dtypes x sizes x paths, views, chunks, refusal, arena
     names = {name for _, name in cases}
     for name in ("bfloat16-1-zero-copy", "float16-300001-copy", "float64-7-zero-copy", "view-in-window",
-                 "chunked-copy", "non-contiguous-refused", "scaled-float32-300001-zero-copy",
-                 "mixed-float64-49157-copy", "scaled-half-refused"):
+                 "chunked-copy", "non-contiguous-refused"):
         assert name in names, sorted(names)[:50]
 
 

@@ -46,13 +46,8 @@ class MPIComm:
         buf.fill(0)
         return buf
 
-    def allreduce(self, buf: np.ndarray, scale: float | None = None) -> Handle:
-        """Sum `buf` in place; with `scale` (`scales(buf)`), of every rank's buffer times its scale:
-        DDP's division by the world size, done by the comm thread inside the sum."""
-        return self.transport.allreduce(buf, scale=scale)
-
-    def scales(self, buf: np.ndarray) -> bool:
-        return self.transport.scales(buf.dtype)
+    def allreduce(self, buf: np.ndarray) -> Handle:
+        return self.transport.allreduce(buf)
 
     def broadcast_(self, arrays: list[np.ndarray], src: int = 0) -> None:
         """Overwrite `arrays` (C-contiguous numpy) with rank `src`'s values in one Bcast: typed for
@@ -85,9 +80,6 @@ class LocalComm:
 
     def zeros(self, numel: int, dtype) -> np.ndarray:
         return np.zeros(numel, dtype)
-
-    def scales(self, buf: np.ndarray) -> bool:
-        return False
 
     def allreduce(self, buf: np.ndarray) -> Handle:
         """Every rank holds this process's `buf`: their sum is size x it."""

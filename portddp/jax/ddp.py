@@ -264,8 +264,6 @@ class DistributedDataParallel(DDPCommon):
             self._plans[key] = _PlanState(plan, [self._comm.zeros(b.numel, jnp.dtype(b.dtype)) for b in plan.buckets],
                                           [self._make_tap(b) for b in range(len(plan.buckets))], {})
         self._plan, self._buffers, self._taps, self._steps = self._plans[key]
-        # Buckets the transport divides while it reduces (MPI, float32/64): packed undivided.
-        self._comm_divides = [self._comm.scales(buf) for buf in self._buffers]
 
     def _grad_bucket(self, b: int, buffer: np.ndarray) -> GradBucket:
         bucket, specs = self._plan.buckets[b], self._plan.specs
@@ -666,7 +664,7 @@ class DistributedDataParallel(DDPCommon):
         if grads is not None and self.check_finite:
             for k, g in zip(bucket.params, grads):
                 self._nonfinite[k] = not np.isfinite(g).all()
-        self._pack(b, grads, divide=self._hook is None and not self._comm_divides[b])
+        self._pack(b, grads, divide=self._hook is None)
         with self._lock:
             if grads is not None:
                 self._ready_order.extend(bucket.params)
@@ -679,8 +677,7 @@ class DistributedDataParallel(DDPCommon):
 
     def _pack(self, b: int, grads, divide: bool) -> None:
         """Copy bucket b's arrays (pytree layout, bucket order; None: zeros) into its flat buffer in
-        the canonical layout, divided by the world size if `divide` (not when a hook or the
-        transport will divide)."""
+        the canonical layout, divided by the world size unless a hook will divide."""
         buf, bucket = self._buffers[b], self._plan.buckets[b]
         if grads is None:
             buf.fill(0)
@@ -706,8 +703,6 @@ class DistributedDataParallel(DDPCommon):
     def _reduce_bucket(self, b: int, buffer: np.ndarray) -> Handle:
         self._issue(f"bucket {b}")
         if self._hook is None:
-            if self._comm_divides[b]:  # _pack left the division to the transport
-                return self._comm.allreduce(buffer, scale=self._inv_world)
             return self._comm.allreduce(buffer)
         try:
             handle = self._hook(self._hook_state, self._grad_bucket(b, buffer))

@@ -37,10 +37,6 @@ class _Comm:
         """A zeroed bucket buffer."""
         return torch.zeros(numel, dtype=dtype, device=device)
 
-    def scales(self, tensor: torch.Tensor) -> bool:
-        """Whether `allreduce_timed(tensor, event, scale=)` divides for the caller (see MPIComm)."""
-        return False
-
     def broadcast_(self, tensors, src: int = 0) -> None:
         """Overwrite `tensors` with rank `src`'s values (coalesced per dtype)."""
         for group in _coalesced([t.detach() for t in tensors]):
@@ -134,13 +130,6 @@ class MPIComm(_Comm):
         """Whether `allreduce(tensor)` takes the zero-copy path."""
         return self.transport.is_shared(_numpy_view(tensor))
 
-    def scales(self, tensor: torch.Tensor) -> bool:
-        """Whether `allreduce_timed(tensor, event, scale=)` divides for the caller: float32/float64
-        CPU tensors. The comm thread multiplies each rank's contribution by its scale inside the
-        shared-memory sum, so DDP's division by the world size costs no pass over the bucket on
-        the thread running backward (the numbers are those of dividing first, bitwise)."""
-        return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64)
-
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         fut = torch.futures.Future()
 
@@ -153,20 +142,18 @@ class MPIComm(_Comm):
         self.transport.allreduce(_numpy_view(tensor), on_done=resolve)
         return fut
 
-    def allreduce_timed(self, tensor: torch.Tensor, event, scale: float | None = None) -> torch.futures.Future:
-        """DDP's bucket all-reduce, `event.done_ns` stamped when the comm thread has finished it;
-        with `scale` (`scales(tensor)`), of every rank's tensor multiplied by its scale."""
+    def allreduce_timed(self, tensor: torch.Tensor, event) -> torch.futures.Future:
+        """DDP's bucket all-reduce, `event.done_ns` stamped when the comm thread has finished it."""
         fut = torch.futures.Future()
 
         def resolve(handle):  # on the comm thread
-            if event is not None:
-                event.done_ns = handle.done_ns
+            event.done_ns = handle.done_ns
             if handle._error is not None:
                 fut.set_exception(handle._error)
             else:
                 fut.set_result(tensor)
 
-        self.transport.allreduce(_numpy_view(tensor), on_done=resolve, scale=scale)
+        self.transport.allreduce(_numpy_view(tensor), on_done=resolve)
         return fut
 
     def _broadcast_flat(self, flat, src):

@@ -321,8 +321,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
         self._bucket_sizes = [len(b.params) for b in plan.buckets]
-        # Buckets the transport divides while it reduces (MPI, float32/64): packed undivided.
-        self._comm_divides = [self._comm.scales(buf) for buf in self._bucket_buffers]
 
     def _grad_bucket(self, b: int, buffer: torch.Tensor) -> GradBucket:
         params = self._plan.buckets[b].params
@@ -525,7 +523,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 self._launch_ready_buckets()
 
     def _pack(self, i: int, param: torch.Tensor) -> None:
-        """Put param i's gradient in its bucket slot, divided unless a hook or the transport (MPI) will."""
+        """Put param i's gradient in its bucket slot, divided unless a hook will divide."""
         grad, view = param.grad, self._views[i]
         if grad.requires_grad:  # backward(create_graph=True)
             grad = self._first_order(i, grad)
@@ -534,12 +532,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 f"parameter {self._names[i]!r} has a {grad.layout} gradient; portddp reduces dense gradients only "
                 "(e.g. use nn.Embedding(sparse=False))"
             )
-        divide = self._hook is None and not self._comm_divides[self._bucket_of[i]]
         if self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():  # already in place
-            if divide:
+            if self._hook is None:
                 view.mul_(self._inv_world)
             return
-        if divide:
+        if self._hook is None:
             # Divide while copying: one pass over the gradient instead of two.
             torch.mul(grad, self._inv_world, out=view)
         else:
@@ -562,8 +559,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         stamped when it completes."""
         self._issue(f"bucket {b}")
         if self._hook is None:
-            if self._comm_divides[b]:  # _pack left the division to the transport
-                return self._comm.allreduce_timed(buffer, event, scale=self._inv_world)
             return self._comm.allreduce_timed(buffer, event) if event is not None else self._comm.allreduce(buffer)
         # A new GradBucket each time, as native hands out: hooks may set_buffer() on it.
         fut = self._hook(self._hook_state, self._grad_bucket(b, buffer))
