@@ -545,6 +545,7 @@ class Watchdog:
             os.write(2, msg.encode())
             self._tell_all(_STOPPED, what)  # the others then name the first failure, not this rank
         finally:
+            _unlink_mpi_shared_memory()
             os._exit(code)
 
     # ------------------------------------------------------------- this rank ends
@@ -584,6 +585,7 @@ class Watchdog:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
+            _unlink_mpi_shared_memory()
             os._exit(1)
         if say_bye:
             self._tell_all(_BYE, str(_STEPS.completed))
@@ -593,6 +595,23 @@ class Watchdog:
             pass
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2)
+
+
+def _unlink_mpi_shared_memory() -> None:
+    """Before a rank ends without MPI_Finalize (the job is failing): remove the /dev/shm files
+    MPICH shares with this host's ranks (`mpich_shm_*`, found in this process's memory map), which
+    only MPI_Finalize would remove -- else every failed job leaves its segment in RAM until reboot.
+    The ranks still running keep their mappings; nothing new attaches to a failing job's segment."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_shm_" in line}
+    except (OSError, IndexError):
+        return
+    for path in paths:
+        try:
+            os.unlink(path.removesuffix(" (deleted)"))
+        except OSError:
+            pass
 
 
 def _is_c10d_timeout(value) -> bool:

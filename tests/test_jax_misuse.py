@@ -5,6 +5,7 @@ raising on one rank (which ends the job)."""
 
 from __future__ import annotations
 
+import glob
 import re
 
 import pytest
@@ -49,10 +50,14 @@ def test_misuse_is_named_on_every_rank(outcomes, case):
 
 def test_a_raising_comm_hook_is_named_on_its_rank_and_stops_the_others():
     """Rank 1's hook raises ValueError: rank 1 raises portddp's error naming the hook, the bucket and
-    the original error (not XLA's "CpuCallback error"); rank 0's watchdog stops it, naming rank 1."""
+    the original error (not XLA's "CpuCallback error"); rank 0's watchdog stops it, naming rank 1;
+    the job ends (rank 1 used to hang in MPI_Finalize now and then) leaving no /dev/shm file."""
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
     proc = mpi.run(2, "tests.workers.jax_misuse", "hook_raises", timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
+    # neither rank reached MPI_Finalize: portddp removed MPICH's shared-memory file on the way out
+    assert not set(glob.glob("/dev/shm/mpich_shm_*")) - before
     assert re.search(r"RuntimeError: comm hook .*flaky_hook raised ValueError for bucket \d+ on rank 1: boom in the "
                      r"hook", out), out[-3000:]
     assert re.search(r"portddp: rank 1 .* failed with RuntimeError: comm hook .*flaky_hook raised ValueError", out), \
