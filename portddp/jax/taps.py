@@ -69,8 +69,12 @@ class _InPlace:
 
     def __call__(self, _ctx, out, *args):
         results = self.callback(*(np.asarray(a) for a in args))
-        for buf, value in zip(jax.tree.leaves(out), jax.tree.leaves(results)):
-            np.asarray(buf)[...] = value
+        for buf, value in zip(jax.tree.leaves(out), jax.tree.leaves(results), strict=True):
+            target = np.asarray(buf)
+            if np.shape(value) != target.shape:  # (io_callback checks this too; numpy would broadcast)
+                raise RuntimeError(f"host callback {self.callback!r} returned shape {np.shape(value)} where XLA "
+                                   f"expects {target.shape}")
+            target[...] = value
 
 
 def _find_buffer_callback():
