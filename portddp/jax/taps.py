@@ -3,7 +3,8 @@ iteration of portddp.jax's hooked strategy is made of (DistributedDataParallel._
 and the checks of what is being traced (the loss function, the transformation around grad_fn).
 
 JAX has no autograd hooks, but a `jax.custom_vjp` function chooses its own backward
-rule, and that rule may call the host with `io_callback`. `host_tap` is such an
+rule, and that rule may call the host (`host_call`: `jax.experimental.buffer_callback`,
+or `io_callback` on older JAX). `host_tap` is such an
 identity: XLA runs its callback the moment the cotangents it was given exist, which
 for a bucket's parameters is the moment their gradients exist -- DDP's "gradient
 ready" signal. Data dependencies, not program order, schedule an unordered
@@ -42,10 +43,10 @@ def host_call(callback, result, *args):
 
     Where JAX has `jax.experimental.buffer_callback` (CPU), that is what runs: XLA hands the
     callback its own buffers and lets it write the results into XLA's, where io_callback copies
-    every operand into a new numpy array, then again with jax.device_put, and the results into
-    XLA's buffers -- for a hooked step, three copies of every gradient become one (benchmark MLP,
-    one process: 43 -> 31 ms per step, the step without callbacks 18 ms). Elsewhere io_callback;
-    PORTDDP_HOST_CALL=io_callback chooses it everywhere."""
+    every operand into a new numpy array, then again with jax.device_put -- two copies of every
+    gradient fewer per hooked step (benchmark MLP, one process, no communication: ~55 -> ~40 ms
+    per step, the step without callbacks ~25 ms on that machine at that time). Elsewhere
+    io_callback; PORTDDP_HOST_CALL=io_callback chooses it everywhere."""
 
     @jax.custom_batching.custom_vmap
     def call(*args):
@@ -93,12 +94,12 @@ _buffer_callback = _find_buffer_callback()
 def keep_freed_memory() -> None:
     """Have glibc keep the large blocks this process frees instead of returning them to the kernel.
 
-    Every hooked step hands each gradient to the host and back: XLA copies the operands into
-    fresh numpy arrays and the results into fresh buffers of its own, tens of MB per step. By
-    default glibc serves blocks that large with mmap and unmaps them when freed (or trims the
-    top of the heap), so each step faults every page in again and the kernel zeroes it: on the
-    benchmark MLP, in one process, 53 -> 43 ms per step with this setting (the step with no
-    callbacks: 18 ms). mallopt(M_MMAP_THRESHOLD = 32 MB) keeps blocks below 32 MB on the heap,
+    Every hooked step hands each gradient to the host and back: the reduced gradients come back
+    in fresh XLA buffers (and through io_callback the operands go out in fresh numpy arrays too),
+    tens of MB per step. By default glibc serves blocks that large with mmap and unmaps them when
+    freed (or trims the top of the heap), so each step faults every page in again and the kernel
+    zeroes it. Benchmark MLP, one process: 51 -> 39 ms per step with this setting through
+    buffer_callback, 53 -> 43 through io_callback (the step with no callbacks: 18-25 ms). mallopt(M_MMAP_THRESHOLD = 32 MB) keeps blocks below 32 MB on the heap,
     mallopt(M_TRIM_THRESHOLD = 2 GB) keeps freed heap memory mapped. The cost: the process keeps
     its peak heap size. Process-wide, once; PORTDDP_MALLOC=system leaves glibc's defaults."""
     global _MALLOC_TUNED
