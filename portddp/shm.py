@@ -17,6 +17,15 @@ it offers), a scratch area and an arena that `empty()` allocates buffers from. O
 3. counters again; each rank copies the other slices' results from their owners into its buffer;
 4. counters again, so that no rank reuses its buffer while a peer still reads it.
 
+`allreduce(buf, defer_gather=True)` (a buffer from the arena only) leaves step 3's copies for
+later: the counters move exactly as above, so the ranks' protocol is the same whether a rank defers
+or not, but this rank's buffer then holds only its own slice of the sum until `gather(buf, dests)`
+copies every slice, straight from its owner's segment, into `dests` -- portddp.jax writes the
+reduced gradients into XLA's result buffers that way, one copy fewer. Between the two a peer
+still reads nothing of ours, but we read its buffer: the caller must not let any peer reuse its
+buffer in between (portddp.jax gathers before the iteration's used-count all-reduce, which every
+rank finishes before it touches a bucket again).
+
 Nothing spins: a rank whose peer is not there yet sleeps in the kernel (a futex on the peer's
 counter, woken by the peer's store; a sleeping poll where futexes are unavailable).
 
@@ -29,6 +38,7 @@ Across hosts: the host sums (in local-rank order), then MPI's sum of those over 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import platform
@@ -39,7 +49,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["ShmAllreduce", "node_comm"]
+__all__ = ["ShmAllreduce", "node_comm", "scatter_into"]
 
 _ALIGN = 64  # bytes: slices and allocations start on a cache line
 _HEADER = 4096  # per-rank header: counter (int32, the futex word) + descriptor
@@ -126,6 +136,7 @@ class ShmAllreduce:
         self._arena_lo = _HEADER + self.scratch_bytes
         self._free = [(self._arena_lo, self._arena_lo + self.arena_bytes)] if self.arena_bytes else []
         self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int], list] = {}  # deferred gathers: (address, bytes) -> chunks
         self.cpu_waiting = 0.0  # seconds of CPU this rank's waits used (for the benchmark)
         self.wall_waiting = 0.0
 
@@ -207,22 +218,49 @@ class ShmAllreduce:
         self.wall_waiting += time.perf_counter() - t0
 
     # -- the all-reduce --------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray) -> np.ndarray:
-        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking."""
+    def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> np.ndarray:
+        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. With
+        `defer_gather` and `buf` in the arena, `buf` holds only this rank's slice of the sum
+        afterwards: `gather(buf, dests)` must follow (see the module's account)."""
         if not buf.flags.c_contiguous:
             raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
         flat = buf.reshape(-1)
         if flat.dtype.name not in _DTYPES:
             raise TypeError(f"no shared-memory sum for dtype {flat.dtype}")
+        key = (flat.ctypes.data, flat.nbytes)
+        if key in self._pending:
+            raise RuntimeError("all-reduce of a buffer whose deferred gather has not run: call gather(buf, ...) "
+                               "after each allreduce(buf, defer_gather=True), before the buffer is reduced again")
         item = flat.dtype.itemsize
         chunk = max(self.scratch_bytes // item, 1)
         home = self.offset_of(flat)
+        defer = defer_gather and home is not None
+        chunks = []
         for start in range(0, max(flat.size, 1), chunk):
             part = flat[start:start + chunk]
-            self._one(part, None if home is None else home + start * item)
+            views, bounds = self._one(part, None if home is None else home + start * item, gather=not defer)
+            chunks.append((start, views, bounds))
+        if defer:
+            self._pending[key] = chunks
         return buf
 
-    def _one(self, part: np.ndarray, offset: int | None) -> None:
+    def gather(self, buf: np.ndarray, dests: list[tuple[int, np.ndarray]]) -> None:
+        """Copy the sum `allreduce(buf, ...)` computed into `dests`: (offset into buf's elements,
+        flat array) pairs (they need not cover buf). After a deferred all-reduce, every slice comes
+        straight from the segment of the rank that reduced it; otherwise from `buf`. Local: no
+        counters move. Any thread, once the all-reduce has returned."""
+        flat = buf.reshape(-1)
+        chunks = self._pending.pop((flat.ctypes.data, flat.nbytes), None)
+        if chunks is None:
+            scatter_into(dests, 0, flat)
+            return
+        for start, views, bounds in chunks:
+            for j in range(len(bounds) - 1):
+                a, b = bounds[j], bounds[j + 1]
+                if b > a:
+                    scatter_into(dests, start + a, views[j][a:b])
+
+    def _one(self, part: np.ndarray, offset: int | None, gather: bool = True) -> tuple[list, list[int]]:
         me, n = self.local_rank, self.local_size
         dtype, count = part.dtype, part.size
         if offset is None:  # copy into my scratch
@@ -248,12 +286,13 @@ class ShmAllreduce:
         self._signal()
         self._wait_peers()
         out = part if part.ctypes.data != views[me].ctypes.data else None
-        for j in range(n):
+        for j in range(n if gather else 0):
             a, b = bounds[j], bounds[j + 1]
             if b > a and (j != me or out is not None):
                 (out if out is not None else views[me])[a:b] = views[j][a:b]
         self._signal()
         self._wait_peers()
+        return views, bounds
 
     def _cross_allreduce(self, mine: np.ndarray) -> None:
         MPI = self._MPI
@@ -338,6 +377,19 @@ def _sum_into(out: np.ndarray, parts: list[np.ndarray], me: int) -> None:
     for p in parts[2:]:
         add(acc, p, acc)
     out[...] = acc
+
+
+def scatter_into(dests: list[tuple[int, np.ndarray]], start: int, src: np.ndarray) -> None:
+    """Copy `src`, elements [start, start + src.size) of a flat buffer, into the parts of it that
+    `dests` ((offset, flat array) pairs, sorted by offset, not overlapping) hold."""
+    end = start + src.size
+    first = max(bisect.bisect_right(dests, start, key=lambda d: d[0]) - 1, 0)
+    for off, dest in dests[first:]:
+        if off >= end:
+            break
+        lo, hi = max(start, off), min(end, off + dest.size)
+        if hi > lo:
+            dest[lo - off:hi - off] = src[lo - start:hi - start]
 
 
 def _half_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

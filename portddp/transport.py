@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from portddp.shm import scatter_into
+
 __all__ = ["Handle", "MPITransport", "get_transport"]
 
 _half_ops: dict = {}
@@ -222,15 +224,21 @@ class MPITransport:
         """Whether `allreduce(buf)` takes the zero-copy path (buf lies in the shared window)."""
         return self._shm is not None and self._shm.offset_of(buf) is not None
 
-    def allreduce(self, buf: np.ndarray, on_done=None) -> Handle:
-        """Sum `buf` over all ranks, in place. Returns at once."""
+    def allreduce(self, buf: np.ndarray, on_done=None, defer_gather: bool = False) -> Handle:
+        """Sum `buf` over all ranks, in place. Returns at once.
+
+        `defer_gather`: the caller will copy the sum out with `gather(buf, dests)` (and reads it
+        nowhere else): on the shared-memory path `buf` then holds only this rank's slice, and the
+        other slices go from their owners' memory straight into `dests` -- one copy fewer. The
+        caller issues no further collective that would let a peer reuse its buffer before that
+        (portddp/shm.py)."""
         spec, op = self._typed(buf)
         MPI = self._MPI
         shm = self._shm
 
         def job():
             if shm is not None:
-                shm.allreduce(buf)
+                shm.allreduce(buf, defer_gather=defer_gather)
             elif self._spin:
                 self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
             else:
@@ -238,6 +246,14 @@ class MPITransport:
             return buf
 
         return self._submit(job, on_done)
+
+    def gather(self, buf: np.ndarray, dests: list[tuple[int, np.ndarray]]) -> None:
+        """Copy the sum of a finished `allreduce(buf, ...)` into `dests`, (offset into buf's
+        elements, flat array) pairs sorted by offset. On the calling thread; no communication."""
+        if self._shm is not None:
+            self._shm.gather(buf, dests)
+        else:
+            scatter_into(dests, 0, buf.reshape(-1))
 
     def _complete(self, request) -> None:
         """Wait for a nonblocking request the configured way (PORTDDP_MPI_WAIT)."""

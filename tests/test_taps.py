@@ -58,6 +58,26 @@ def test_host_call_without_outputs_used_still_runs_and_runs_once_per_step_under_
     assert calls == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.parametrize("impl", ["buffer_callback", "io_callback"])
+def test_a_filling_host_call_writes_its_results_itself(monkeypatch, impl):
+    """host_call(..., fills=True): the callback gets one writable array per result and fills it."""
+    if impl == "io_callback":
+        monkeypatch.setattr(taps, "_buffer_callback", None)
+    seen = []
+
+    def callback(outs, a):
+        seen.append([(o.shape, o.dtype, o.flags.writeable) for o in outs])
+        outs[0][...] = a.T * 3
+        outs[1][...] = a.sum()
+
+    out_shapes = [jax.ShapeDtypeStruct((2, 3), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32)]
+    tripled, total = jax.jit(lambda a: taps.host_call(callback, out_shapes, a, fills=True))(
+        jnp.arange(6, dtype=jnp.float32).reshape(3, 2))
+    np.testing.assert_array_equal(np.asarray(tripled), np.arange(6).reshape(3, 2).T * 3)
+    assert float(total) == 15.0
+    assert [(shape, writeable) for shape, _, writeable in seen[0]] == [((2, 3), True), ((), True)]
+
+
 def test_host_call_is_refused_under_vmap():
     f = lambda x: taps.host_call(lambda v: np.float32(0), jax.ShapeDtypeStruct((), jnp.float32), x)  # noqa: E731
     with pytest.raises(ValueError, match="cannot run under jax.vmap"):

@@ -1,7 +1,8 @@
 """Who portddp.jax talks to, one interface: the twin of portddp/torch/comm.py.
 
 `allreduce(buf)` sums a numpy buffer in place across ranks and returns a
-`portddp.transport.Handle` at once (the JAX side's future). `broadcast_(arrays)`
+`portddp.transport.Handle` at once (the JAX side's future); with `defer_gather`, `gather(buf,
+dests)` then copies the sum where it is wanted (XLA's result buffers), straight from shared memory. `broadcast_(arrays)`
 and `allgather_object(obj)` block and are used outside the backward pass
 (construction, buffer sync, plan rebuild, agreements).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from portddp import launch
+from portddp.shm import scatter_into
 from portddp.transport import Handle, get_transport
 
 __all__ = ["LocalComm", "MPIComm", "TRANSPORTS", "make_comm"]
@@ -46,8 +48,12 @@ class MPIComm:
         buf.fill(0)
         return buf
 
-    def allreduce(self, buf: np.ndarray) -> Handle:
-        return self.transport.allreduce(buf)
+    def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> Handle:
+        return self.transport.allreduce(buf, defer_gather=defer_gather)
+
+    def gather(self, buf: np.ndarray, dests: list[tuple[int, np.ndarray]]) -> None:
+        """The sum of a finished allreduce(buf, defer_gather=True) into `dests` (portddp.transport)."""
+        self.transport.gather(buf, dests)
 
     def broadcast_(self, arrays: list[np.ndarray], src: int = 0) -> None:
         """Overwrite `arrays` (C-contiguous numpy) with rank `src`'s values in one Bcast: typed for
@@ -81,10 +87,13 @@ class LocalComm:
     def zeros(self, numel: int, dtype) -> np.ndarray:
         return np.zeros(numel, dtype)
 
-    def allreduce(self, buf: np.ndarray) -> Handle:
+    def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> Handle:
         """Every rank holds this process's `buf`: their sum is size x it."""
         np.multiply(buf, self.size, out=buf, casting="unsafe")
         return Handle.completed(buf)
+
+    def gather(self, buf: np.ndarray, dests: list[tuple[int, np.ndarray]]) -> None:
+        scatter_into(dests, 0, buf.reshape(-1))
 
     def broadcast_(self, arrays: list[np.ndarray], src: int = 0) -> None:
         pass  # one process: its values are rank 0's

@@ -63,6 +63,7 @@ from portddp.jax.layout import Canonical, Layout
 from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
                               check_same_step, check_same_specs, hook_result_error, nonfinite_error,
                               unused_parameters_error)
+from portddp.shm import scatter_into
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
 
@@ -214,6 +215,7 @@ class DistributedDataParallel(DDPCommon):
         if strategy == "hooked":
             taps.keep_freed_memory()
         self._hook = None
+        self._defer_gather = False  # this iteration's all-reduces leave their gathers to _fill
         self._hook_state = None
         self._lock = threading.Lock()  # XLA may run independent host callbacks on different threads
         self._callback_errors: list = []  # what the last eager step's host callbacks raised
@@ -546,14 +548,13 @@ class DistributedDataParallel(DDPCommon):
         # handed to the callback, so that it cannot be scheduled before the forward is done.
         loss_tap = taps.host_tap(taps.reporting(forward_done, errors), keep_primal=True)
 
-        def finish(_launched):
-            self._finalize()
-            # XLA copies the callback's results into its own buffers: hand out views of the buckets.
-            return self._write_grads(on_host=True)
+        def finish(outs, _launched):
+            # The reduced gradients go straight into XLA's result buffers (`outs`).
+            self._finalize(outs)
 
         def program(static, params, state, batch):
             dead: list[int] = []  # buckets whose taps never fire: read at run time, filled at trace time
-            start = taps.start_token(taps.reporting(lambda: self._begin_iteration(dead), errors))
+            start = taps.start_token(taps.reporting(lambda: self._begin_iteration(dead, fills=True), errors))
             bcast = self._will_sync_buffers(state)
 
             def tapped(params, start_value, state):
@@ -584,7 +585,7 @@ class DistributedDataParallel(DDPCommon):
             dead.extend(b for b in range(len(self._plan.buckets)) if b not in fired)
             # `launched` depends on every live tap's callback: this one runs after the last launch.
             return loss, aux, new_state, self._layout.to_tree(self._plan, taps.host_call(
-                taps.reporting(finish, errors), _reduced_shapes(self._plan), launched))
+                taps.reporting(finish, errors), _reduced_shapes(self._plan), launched, fills=True))
 
         return program
 
@@ -619,9 +620,12 @@ class DistributedDataParallel(DDPCommon):
         self._step_count += 1
         return np.float32(0)
 
-    def _begin_iteration(self, dead=()) -> np.float32:
+    def _begin_iteration(self, dead=(), fills: bool = False) -> np.float32:
         """Open an iteration. The `dead` buckets (no tap fires: the loss uses none of their
         leaves) are zeros and ready at once; they launch in plan order like the others.
+        `fills`: the iteration ends with `_finalize(outs)`, which copies the reduced buckets into
+        `outs` -- then, without a comm hook, each bucket's all-reduce defers its gather to that
+        copy (portddp.transport: the other ranks' slices come straight from shared memory).
         The watchdog learns that a synchronised iteration is under way (a peer that already left
         before reaching it stops this rank, naming it, instead of leaving it waiting)."""
         watchdog.step_started()
@@ -632,6 +636,7 @@ class DistributedDataParallel(DDPCommon):
         if not self._hooks_agreed:
             self._agree_on_hook()
         n = len(self._buffers)
+        self._defer_gather = fills and self._hook is None
         self._ready = [False] * n
         self._next_launch = 0  # buckets launch strictly in plan order
         self._handles: list = [None] * n
@@ -703,7 +708,7 @@ class DistributedDataParallel(DDPCommon):
     def _reduce_bucket(self, b: int, buffer: np.ndarray) -> Handle:
         self._issue(f"bucket {b}")
         if self._hook is None:
-            return self._comm.allreduce(buffer)
+            return self._comm.allreduce(buffer, defer_gather=self._defer_gather)
         try:
             handle = self._hook(self._hook_state, self._grad_bucket(b, buffer))
         except Exception as e:
@@ -736,8 +741,10 @@ class DistributedDataParallel(DDPCommon):
             expected[...] = result.reshape(-1)
 
     # ---- finalize
-    def _finalize(self) -> None:
-        """After the computation: launch the rest, wait in plan order, agree on the used counts."""
+    def _finalize(self, outs: list[np.ndarray] | None = None) -> None:
+        """After the computation: launch the rest, wait in plan order, copy the reduced buckets
+        into `outs` (one array per parameter, plan order; None: the caller reads self._buffers),
+        agree on the used counts."""
         for b in [b for b, ready in enumerate(self._ready) if not ready]:
             self._mark_ready(b, None)  # only a safety net: taps that cannot fire were found at trace time
         with self._lock:
@@ -747,7 +754,9 @@ class DistributedDataParallel(DDPCommon):
         # With check_finite a second half counts, per parameter, the ranks with NaN/Inf in it.
         n = len(self._layout.names)
         flags = np.concatenate([np.ones(n, np.int32), self._nonfinite if self.check_finite else np.zeros(0, np.int32)])
-        used = self._exchange_used(flags, self._step_count)
+        # A deferred gather reads the other ranks' buckets: the used counts, whose all-reduce lets
+        # every rank go on to reuse its buckets, wait for it; otherwise they travel behind the buckets.
+        used = None if self._defer_gather else self._exchange_used(flags, self._step_count)
         with watchdog.waiting():
             for b, handle in enumerate(self._handles):
                 if self._hook is not None:
@@ -755,6 +764,10 @@ class DistributedDataParallel(DDPCommon):
                 else:
                     handle.wait()
                 self._events.buckets[b].done_ns = handle.done_ns
+            if outs is not None:
+                self._fill(outs)
+            if used is None:
+                used = self._exchange_used(flags, self._step_count)
             totals = used.wait()
         watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
         self._events.finalize_end_ns = _now()
@@ -788,6 +801,17 @@ class DistributedDataParallel(DDPCommon):
         with watchdog.waiting():
             everyone = self._comm.allgather_object(mine)
         raise nonfinite_error(everyone, self.rank)
+
+    def _fill(self, outs: list[np.ndarray]) -> None:
+        """The reduced buckets into `outs` (one array per parameter in plan order: XLA's result
+        buffers), through the comm's gather (straight from shared memory after a deferred one)."""
+        outs = iter(outs)
+        for buf, bucket in zip(self._buffers, self._plan.buckets):
+            dests = sorted(((off, next(outs).reshape(-1)) for off in bucket.offsets), key=lambda d: d[0])
+            if self._defer_gather:
+                self._comm.gather(buf, dests)
+            else:
+                scatter_into(dests, 0, buf)
 
     def _write_grads(self, on_host: bool = False):
         """The reduced buckets back into the pytree: a new one of jax arrays in its own layout; or,

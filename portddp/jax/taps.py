@@ -34,12 +34,14 @@ UNDER_VMAP = (
     "inside loss_fn is fine -- or loop over steps with a Python loop or jax.lax.scan")
 
 
-def host_call(callback, result, *args):
+def host_call(callback, result, *args, fills: bool = False):
     """`io_callback(callback, result, *args)`, refused under jax.vmap (JAX would call it once per
     element, which no collective survives). Unordered: XLA runs it as soon as its inputs exist.
     The callback receives numpy arrays (views of XLA's buffers: read them, never write, never
     keep them past the call) and returns numpy arrays or scalars shaped as `result` (one
-    ShapeDtypeStruct, or a list of them).
+    ShapeDtypeStruct, or a list of them). With `fills`, it is called as `callback(outs, *args)`
+    instead, with one writable array per leaf of `result` (XLA's own result buffers where it
+    can), fills them and returns nothing: the results then cost no copy of their own.
 
     Where JAX has `jax.experimental.buffer_callback` (CPU), that is what runs: XLA hands the
     callback its own buffers and lets it write the results into XLA's, where io_callback copies
@@ -51,8 +53,8 @@ def host_call(callback, result, *args):
     @jax.custom_batching.custom_vmap
     def call(*args):
         if _buffer_callback is None or jax.default_backend() != "cpu":
-            return io_callback(callback, result, *args, ordered=False)
-        return _buffer_callback(_InPlace(callback), result, has_side_effect=True)(*args)
+            return io_callback(_Allocating(callback, result) if fills else callback, result, *args, ordered=False)
+        return _buffer_callback(_InPlace(callback, fills), result, has_side_effect=True)(*args)
 
     @call.def_vmap
     def _refuse(axis_size, in_batched, *args):
@@ -63,19 +65,34 @@ def host_call(callback, result, *args):
 
 class _InPlace:
     """A host callback as buffer_callback runs it: XLA's operand buffers in (as numpy views), the
-    results written into XLA's result buffers."""
+    results written into XLA's result buffers (by the callback itself, if it `fills` them)."""
 
-    def __init__(self, callback):
-        self.callback = callback
+    def __init__(self, callback, fills: bool = False):
+        self.callback, self.fills = callback, fills
 
     def __call__(self, _ctx, out, *args):
+        targets = [np.asarray(buf) for buf in jax.tree.leaves(out)]
+        if self.fills:
+            self.callback(targets, *(np.asarray(a) for a in args))
+            return
         results = self.callback(*(np.asarray(a) for a in args))
-        for buf, value in zip(jax.tree.leaves(out), jax.tree.leaves(results), strict=True):
-            target = np.asarray(buf)
+        for target, value in zip(targets, jax.tree.leaves(results), strict=True):
             if np.shape(value) != target.shape:  # (io_callback checks this too; numpy would broadcast)
                 raise RuntimeError(f"host callback {self.callback!r} returned shape {np.shape(value)} where XLA "
                                    f"expects {target.shape}")
             target[...] = value
+
+
+class _Allocating:
+    """A filling host callback (`host_call(..., fills=True)`) as io_callback runs it: new arrays."""
+
+    def __init__(self, callback, result):
+        self.callback, self.result = callback, result
+
+    def __call__(self, *args):
+        outs = [np.empty(r.shape, r.dtype) for r in jax.tree.leaves(self.result)]
+        self.callback(outs, *args)
+        return jax.tree.unflatten(jax.tree.structure(self.result), outs)
 
 
 def _find_buffer_callback():

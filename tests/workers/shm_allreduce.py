@@ -78,6 +78,7 @@ def main():
         bigw[...] = rank + 1
         t.allreduce(bigw).wait(timeout=120)
         emit(rank, "chunked-zero-copy", bool(np.all(bigw == total)))
+    deferred_gathers(t, ref_comm, rank, n, exact)
     # non-contiguous buffers are refused when launched, on every rank
     try:
         t.allreduce(np.zeros(10, np.float32)[::2])
@@ -109,6 +110,58 @@ def main():
         emit(rank, "counter-wraps", ok and t._shm._seq < 100, str(t._shm._seq))
     t.barrier()
     sys.stdout.flush()
+
+
+def deferred_gathers(t, ref_comm, rank, n, exact):
+    """allreduce(buf, defer_gather=True) + gather(buf, dests): the same bits as the plain all-reduce,
+    into destinations that split the buffer at odd offsets (and leave parts out); several buffers
+    deferred before any is gathered, a collective in between, and ranks that do not defer (rank 1)
+    in the same collectives -- the protocol is the same either way."""
+    rng = np.random.default_rng(99 + rank)
+    sizes = (1, 1000, 300_001, (t._shm.scratch_bytes // 4 + 777) if t._shm else 5000)  # the last one chunked
+    bufs, datas, wants = [], [], []
+    for size in sizes:
+        data = rng.standard_normal(size).astype(np.float32)
+        buf = t.empty(size, np.float32)
+        buf[...] = data
+        bufs.append(buf), datas.append(data), wants.append(reference(ref_comm, data))
+    handles = [t.allreduce(buf, defer_gather=rank != 1) for buf in bufs]
+    for h in handles:
+        h.wait(timeout=120)
+    small = np.full(5, rank + 1.0)  # an ordinary all-reduce between the deferred ones and their gathers
+    t.allreduce(small).wait(timeout=120)
+    for size, buf, want in zip(sizes, bufs, wants):
+        cuts = sorted({0, *(int(c) for c in np.linspace(0, size, 5)[1:-1] + 3), size})
+        cuts = [c for c in cuts if c <= size]
+        dests = [(a, np.full(b - a, np.nan, np.float32)) for a, b in zip(cuts, cuts[1:]) if b > a]
+        skipped = dests.pop(1) if len(dests) > 2 else None  # a part nobody asks for stays untouched
+        t.gather(buf, dests)
+        got = np.concatenate([d for _, d in dests])
+        expect = np.concatenate([want[a:a + d.size] for a, d in dests])
+        name = f"deferred-gather-{size}"
+        if exact:
+            emit(rank, name, got.tobytes() == expect.tobytes(), f"max diff {np.nanmax(np.abs(got - expect)):.3g}")
+        else:
+            emit(rank, name, bool(np.allclose(got, expect, rtol=1e-5, atol=1e-5)), f"{np.nanmax(np.abs(got - expect))}")
+        if skipped is not None and not np.isnan(skipped[1]).all():
+            emit(rank, name + "-untouched", False, "a part not asked for was written")
+        if len(set(ref_comm.allgather(got.tobytes()))) != 1:
+            emit(rank, name + "-agree", False, "ranks differ")
+    emit(rank, "deferred-small-between", bool(np.all(small == n * (n + 1) / 2)))
+    # a deferred buffer reduced again before its gather: refused (on the deferring ranks; every rank
+    # then gathers, so the protocol stays in step)
+    buf = t.empty(64, np.float32)
+    buf[...] = 1
+    t.allreduce(buf, defer_gather=True).wait(timeout=60)
+    if t._shm:
+        try:
+            t.allreduce(buf).wait(timeout=60)
+            emit(rank, "deferred-twice-refused", False, "accepted")
+        except RuntimeError as e:
+            emit(rank, "deferred-twice-refused", "gather" in str(e), str(e))
+    out = np.empty(64, np.float32)
+    t.gather(buf, [(0, out)])
+    emit(rank, "deferred-gather-after-refusal", bool(np.all(out == n)))
 
 
 if __name__ == "__main__":
