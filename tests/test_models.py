@@ -100,3 +100,24 @@ def test_gelu_mlp_twins_agree(dtype, bound):
     assert np.abs(a - b).max() / max(1.0, np.abs(a).max()) <= bound
     with pytest.raises(ValueError, match="unknown activation 'tanh'"):
         build_twin("mlp", "tiny", activation="tanh")
+
+
+@pytest.mark.parametrize("shape", [(1024, 1024), (700, 300), (257, 1031), (3, 5)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scale", [None, 0.5, 1 / 3])
+def test_copy_scaled_transposes_in_tiles_with_numpys_bits(shape, dtype, scale):
+    """portddp.jax packs a leaf stored transposed (Flax kernels in a torch-layout job) in tiles:
+    the same bits as numpy's own copy or multiply, every element written."""
+    import ml_dtypes  # noqa: PLC0415
+
+    from portddp.jax.layout import copy_scaled  # noqa: PLC0415
+
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    leaf = np.random.default_rng(0).standard_normal(shape).astype(np_dtype)
+    got, want = np.full(shape[::-1], np.nan, np_dtype), np.empty(shape[::-1], np_dtype)
+    copy_scaled(got, leaf.T, scale)
+    if scale is None:
+        want[...] = leaf.T
+    else:
+        np.multiply(leaf.T, scale, out=want, casting="unsafe")
+    assert got.tobytes() == want.tobytes()

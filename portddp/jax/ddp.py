@@ -59,7 +59,7 @@ from portddp.common import DDPCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
-from portddp.jax.layout import Canonical, Layout
+from portddp.jax.layout import Canonical, Layout, copy_scaled
 from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
                               check_same_step, check_same_specs, hook_result_error, nonfinite_error,
                               unused_parameters_error)
@@ -690,11 +690,8 @@ class DistributedDataParallel(DDPCommon):
         for k, off, g in zip(bucket.params, bucket.offsets, grads):
             src = self._layout.canonical(k, g)
             dst = buf[off:off + src.size].reshape(src.shape)
-            if divide:
-                # Divide while copying: one pass over the gradient instead of two.
-                np.multiply(src, self._inv_world, out=dst, casting="unsafe")
-            else:
-                dst[...] = src
+            # Divide while copying: one pass over the gradient instead of two.
+            copy_scaled(dst, src, self._inv_world if divide else None)
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._buffers) and self._ready[self._next_launch]:
