@@ -17,14 +17,15 @@ it offers), a scratch area and an arena that `empty()` allocates buffers from. O
 3. counters again; each rank copies the other slices' results from their owners into its buffer;
 4. counters again, so that no rank reuses its buffer while a peer still reads it.
 
-`allreduce(buf, defer_gather=True)` (a buffer from the arena only) leaves step 3's copies for
-later: the counters move exactly as above, so the ranks' protocol is the same whether a rank defers
-or not, but this rank's buffer then holds only its own slice of the sum until `gather(buf, dests)`
+`allreduce(buf, defer_gather=True)` (a buffer from the arena) leaves step 3's copies for later:
+the counters move exactly as above, so the ranks' protocol is the same whether a rank defers or
+not, but this rank's buffer then holds only its own slice of the sum until `gather(buf, dests)`
 copies every slice, straight from its owner's segment, into `dests` -- portddp.jax writes the
-reduced gradients into XLA's result buffers that way, one copy fewer. Between the two a peer
-still reads nothing of ours, but we read its buffer: the caller must not let any peer reuse its
-buffer in between (portddp.jax gathers before the iteration's used-count all-reduce, which every
-rank finishes before it touches a bucket again).
+reduced gradients into XLA's result buffers that way, one copy fewer. (A chunk whose data lies
+in some rank's scratch, not its arena, is gathered at once: that rank's next all-reduce
+overwrites its scratch.) Between the two a peer reads nothing of ours, but we read its buffer:
+the caller must not let any peer reuse its buffer in between (portddp.jax gathers before the
+iteration's used-count all-reduce, which every rank finishes before it writes a bucket again).
 
 Nothing spins: a rank whose peer is not there yet sleeps in the kernel (a futex on the peer's
 counter, woken by the peer's store; a sleeping poll where futexes are unavailable).
@@ -228,9 +229,7 @@ class ShmAllreduce:
         if flat.dtype.name not in _DTYPES:
             raise TypeError(f"no shared-memory sum for dtype {flat.dtype}")
         key = (flat.ctypes.data, flat.nbytes)
-        if key in self._pending:
-            raise RuntimeError("all-reduce of a buffer whose deferred gather has not run: call gather(buf, ...) "
-                               "after each allreduce(buf, defer_gather=True), before the buffer is reduced again")
+        self._pending.pop(key, None)  # a gather that never ran (its iteration failed): this sum replaces it
         item = flat.dtype.itemsize
         chunk = max(self.scratch_bytes // item, 1)
         home = self.offset_of(flat)
@@ -239,7 +238,7 @@ class ShmAllreduce:
         for start in range(0, max(flat.size, 1), chunk):
             part = flat[start:start + chunk]
             views, bounds = self._one(part, None if home is None else home + start * item, gather=not defer)
-            chunks.append((start, views, bounds))
+            chunks.append((start, views, bounds))  # views None: gathered into buf already
         if defer:
             self._pending[key] = chunks
         return buf
@@ -255,6 +254,9 @@ class ShmAllreduce:
             scatter_into(dests, 0, flat)
             return
         for start, views, bounds in chunks:
+            if views is None:
+                scatter_into(dests, start, flat[start:start + bounds[-1]])
+                continue
             for j in range(len(bounds) - 1):
                 a, b = bounds[j], bounds[j + 1]
                 if b > a:
@@ -286,13 +288,16 @@ class ShmAllreduce:
         self._signal()
         self._wait_peers()
         out = part if part.ctypes.data != views[me].ctypes.data else None
+        # A peer's data in its scratch (not from its arena) is overwritten by its next all-reduce:
+        # gather from it now, whatever was asked.
+        gather = gather or any(int(self._desc[j][0]) < self._arena_lo for j in range(n))
         for j in range(n if gather else 0):
             a, b = bounds[j], bounds[j + 1]
             if b > a and (j != me or out is not None):
                 (out if out is not None else views[me])[a:b] = views[j][a:b]
         self._signal()
         self._wait_peers()
-        return views, bounds
+        return (None if gather else views), bounds
 
     def _cross_allreduce(self, mine: np.ndarray) -> None:
         MPI = self._MPI
@@ -301,6 +306,12 @@ class ShmAllreduce:
         else:
             spec, op = mine, MPI.SUM
         self._wait_request(self.cross.Iallreduce(MPI.IN_PLACE, spec, op=op))
+
+    def discard(self, buf: np.ndarray) -> None:
+        """Forget a deferred gather that will not run (its iteration failed): `buf` may be reduced
+        again. Its sum is then lost."""
+        flat = buf.reshape(-1)
+        self._pending.pop((flat.ctypes.data, flat.nbytes), None)
 
     def _view(self, j: int, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
         return self._segs[j][offset:offset + count * dtype.itemsize].view(dtype)

@@ -247,6 +247,11 @@ class MPITransport:
 
         return self._submit(job, on_done)
 
+    def discard(self, buf: np.ndarray) -> None:
+        """Forget the deferred gather of `buf` (its iteration failed before gathering)."""
+        if self._shm is not None:
+            self._shm.discard(buf)
+
     def gather(self, buf: np.ndarray, dests: list[tuple[int, np.ndarray]]) -> None:
         """Copy the sum of a finished `allreduce(buf, ...)` into `dests`, (offset into buf's
         elements, flat array) pairs sorted by offset. On the calling thread; no communication."""

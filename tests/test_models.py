@@ -102,7 +102,7 @@ def test_gelu_mlp_twins_agree(dtype, bound):
         build_twin("mlp", "tiny", activation="tanh")
 
 
-@pytest.mark.parametrize("shape", [(1024, 1024), (700, 300), (257, 1031), (3, 5)])
+@pytest.mark.parametrize("shape", [(1024, 1024), (700, 300), (257, 1031), (3, 5), (7,), ()])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scale", [None, 0.5, 1 / 3])
 def test_copy_scaled_transposes_in_tiles_with_numpys_bits(shape, dtype, scale):
@@ -115,7 +115,7 @@ def test_copy_scaled_transposes_in_tiles_with_numpys_bits(shape, dtype, scale):
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     leaf = np.random.default_rng(0).standard_normal(shape).astype(np_dtype)
     got, want = np.full(shape[::-1], np.nan, np_dtype), np.empty(shape[::-1], np_dtype)
-    copy_scaled(got, leaf.T, scale)
+    copy_scaled(got, leaf.T, scale)  # (1-D and 0-d: .T is the leaf itself)
     if scale is None:
         want[...] = leaf.T
     else:

@@ -30,7 +30,8 @@ def _check(proc, n: int, impl: str, hosts: int = 1) -> None:
     names = {name for _, name in cases}
     for name in ("bfloat16-1-zero-copy", "float16-300001-copy", "float64-7-zero-copy", "view-in-window",
                  "chunked-copy", "non-contiguous-refused", "deferred-gather-1", "deferred-gather-300001",
-                 "deferred-small-between", "deferred-gather-after-refusal"):
+                 "deferred-small-between", "deferred-then-plain", "deferred-peer-scratch",
+                 "deferred-discarded"):
         assert name in names, sorted(names)[:50]
 
 

@@ -105,12 +105,12 @@ HOOKED = textwrap.dedent(r"""
 
     rng = np.random.default_rng(0)
     params = {"a": {"w": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32), "b": jnp.zeros(8, jnp.float32)},
-              "c": jnp.asarray(rng.standard_normal((8, 3)), jnp.bfloat16)}
+              "c": jnp.asarray(rng.standard_normal((8, 3)), jnp.bfloat16), "t": jnp.float32(0.7)}
     x = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
 
     def loss(p, x):
         h = jnp.tanh(x @ p["a"]["w"] + p["a"]["b"])
-        return jnp.mean((h @ p["c"].astype(jnp.float32)) ** 2)
+        return jnp.mean((h @ p["c"].astype(jnp.float32) * p["t"]) ** 2)  # (a 0-d leaf too)
 
     grad_fn = DistributedDataParallel(params, bucket_cap_mb=256 / 2**20, first_bucket_cap_mb=64 / 2**20
                                       ).value_and_grad(loss)

@@ -55,6 +55,9 @@ class MPIComm:
         """The sum of a finished allreduce(buf, defer_gather=True) into `dests` (portddp.transport)."""
         self.transport.gather(buf, dests)
 
+    def discard(self, buf: np.ndarray) -> None:
+        self.transport.discard(buf)
+
     def broadcast_(self, arrays: list[np.ndarray], src: int = 0) -> None:
         """Overwrite `arrays` (C-contiguous numpy) with rank `src`'s values in one Bcast: typed for
         one array of a builtin numeric dtype (a bucket, as portddp.torch sends it), else as bytes."""
@@ -94,6 +97,9 @@ class LocalComm:
 
     def gather(self, buf: np.ndarray, dests: list[tuple[int, np.ndarray]]) -> None:
         scatter_into(dests, 0, buf.reshape(-1))
+
+    def discard(self, buf: np.ndarray) -> None:
+        pass
 
     def broadcast_(self, arrays: list[np.ndarray], src: int = 0) -> None:
         pass  # one process: its values are rank 0's

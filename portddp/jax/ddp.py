@@ -535,9 +535,9 @@ class DistributedDataParallel(DDPCommon):
         a host callback opens the iteration (`_begin_iteration`, after rank 0's buffers arrive,
         `_sync_buffers`); each bucket's parameters pass a tap (`_make_tap`) whose backward hands
         the bucket's gradients to the host (`_mark_ready`: pack, launch) as soon as XLA has them;
-        a last callback waits for every reduction (`_finalize`) and hands the reduced buckets back
-        into the program (`_write_grads`). It can therefore be wrapped in the caller's own jax.jit
-        (with the optimizer update, say); called eagerly, it is jitted here."""
+        a last callback waits for every reduction and writes the reduced gradients into the
+        program's result buffers (`_finalize(outs)`, `_fill`). It can therefore be wrapped in the
+        caller's own jax.jit (with the optimizer update, say); called eagerly, it is jitted here."""
         errors = self._callback_errors
 
         def forward_done(*_):
@@ -754,18 +754,25 @@ class DistributedDataParallel(DDPCommon):
         # A deferred gather reads the other ranks' buckets: the used counts, whose all-reduce lets
         # every rank go on to reuse its buckets, wait for it; otherwise they travel behind the buckets.
         used = None if self._defer_gather else self._exchange_used(flags, self._step_count)
-        with watchdog.waiting():
-            for b, handle in enumerate(self._handles):
-                if self._hook is not None:
-                    self._check_hook_result(b, handle)
-                else:
-                    handle.wait()
-                self._events.buckets[b].done_ns = handle.done_ns
-            if outs is not None:
-                self._fill(outs)
-            if used is None:
-                used = self._exchange_used(flags, self._step_count)
-            totals = used.wait()
+        try:
+            with watchdog.waiting():
+                for b, handle in enumerate(self._handles):
+                    if self._hook is not None:
+                        self._check_hook_result(b, handle)
+                    else:
+                        handle.wait()
+                    self._events.buckets[b].done_ns = handle.done_ns
+                if outs is not None:
+                    self._fill(outs)
+                if used is None:
+                    used = self._exchange_used(flags, self._step_count)
+                totals = used.wait()
+        except BaseException:
+            if used is None:  # failed before the gathers: forget them, and still issue what peers wait for
+                for buf in self._buffers:
+                    self._comm.discard(buf)
+                self._exchange_used(flags, self._step_count)
+            raise
         watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
@@ -804,11 +811,17 @@ class DistributedDataParallel(DDPCommon):
         buffers), through the comm's gather (straight from shared memory after a deferred one)."""
         outs = iter(outs)
         for buf, bucket in zip(self._buffers, self._plan.buckets):
-            dests = sorted(((off, next(outs).reshape(-1)) for off in bucket.offsets), key=lambda d: d[0])
+            targets = [next(outs) for _ in bucket.offsets]
+            # (XLA's buffers are row-major; were one not, reshape would copy: fill a temporary then)
+            flat = [t.reshape(-1) if t.flags.c_contiguous else np.empty(t.size, t.dtype) for t in targets]
+            dests = sorted(zip(bucket.offsets, flat), key=lambda d: d[0])
             if self._defer_gather:
                 self._comm.gather(buf, dests)
             else:
                 scatter_into(dests, 0, buf)
+            for t, f in zip(targets, flat):
+                if not t.flags.c_contiguous:
+                    t[...] = f.reshape(t.shape)
 
     def _write_grads(self, on_host: bool = False):
         """The reduced buckets back into the pytree: a new one of jax arrays in its own layout; or,

@@ -139,7 +139,7 @@ def copy_scaled(dst: np.ndarray, src: np.ndarray, scale: float | None = None) ->
     cols = range(0, src.shape[1], _TILE) if tiled else [None]
     for i in rows:
         for j in cols:
-            where = (slice(None),) if i is None else (slice(i, i + _TILE), slice(j, j + _TILE))
+            where = ... if i is None else (slice(i, i + _TILE), slice(j, j + _TILE))
             if scale is None:
                 dst[where] = src[where]
             else:
