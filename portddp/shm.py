@@ -222,7 +222,9 @@ class ShmAllreduce:
     def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> np.ndarray:
         """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. With
         `defer_gather` and `buf` in the arena, `buf` holds only this rank's slice of the sum
-        afterwards: `gather(buf, dests)` must follow (see the module's account)."""
+        afterwards: `gather(buf, dests)` must follow (see the module's account). A buffer whose
+        deferred gather never ran (its iteration failed) is simply reduced again: the gather is
+        forgotten."""
         if not buf.flags.c_contiguous:
             raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
         flat = buf.reshape(-1)
@@ -271,9 +273,10 @@ class ShmAllreduce:
         self._desc[me][:4] = (offset, part.nbytes, _DTYPES.index(dtype.name), count)
         self._signal()
         self._wait_peers()
-        views = []
+        views, offsets = [], []
         for j in range(n):
             off, nbytes, code, cnt = (int(x) for x in self._desc[j][:4])
+            offsets.append(off)
             if nbytes != part.nbytes or code != _DTYPES.index(dtype.name) or cnt != count:
                 raise RuntimeError(f"local rank {j} all-reduces {cnt} x {_DTYPES[code]} while local rank {me} "
                                    f"all-reduces {count} x {dtype.name}: the ranks issue different collectives")
@@ -290,7 +293,7 @@ class ShmAllreduce:
         out = part if part.ctypes.data != views[me].ctypes.data else None
         # A peer's data in its scratch (not from its arena) is overwritten by its next all-reduce:
         # gather from it now, whatever was asked.
-        gather = gather or any(int(self._desc[j][0]) < self._arena_lo for j in range(n))
+        gather = gather or min(offsets) < self._arena_lo
         for j in range(n if gather else 0):
             a, b = bounds[j], bounds[j + 1]
             if b > a and (j != me or out is not None):

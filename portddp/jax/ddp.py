@@ -45,6 +45,7 @@ checks, agreements) or, for pmap, a LocalComm (portddp/jax/comm.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import NamedTuple
@@ -216,6 +217,7 @@ class DistributedDataParallel(DDPCommon):
             taps.keep_freed_memory()
         self._hook = None
         self._defer_gather = False  # this iteration's all-reduces leave their gathers to _fill
+        self._stale_used = None  # the used-count handle of an iteration that failed before its gathers
         self._hook_state = None
         self._lock = threading.Lock()  # XLA may run independent host callbacks on different threads
         self._callback_errors: list = []  # what the last eager step's host callbacks raised
@@ -628,6 +630,10 @@ class DistributedDataParallel(DDPCommon):
         copy (portddp.transport: the other ranks' slices come straight from shared memory).
         The watchdog learns that a synchronised iteration is under way (a peer that already left
         before reaching it stops this rank, naming it, instead of leaving it waiting)."""
+        if self._stale_used is not None:  # a failed iteration's used counts (see _finalize)
+            stale, self._stale_used = self._stale_used, None
+            with watchdog.waiting(), contextlib.suppress(Exception):
+                stale.wait()
         watchdog.step_started()
         if self._step_counted:  # an eager grad_fn call counted it (or reduce(), which is no step)
             self._step_counted = False
@@ -754,6 +760,7 @@ class DistributedDataParallel(DDPCommon):
         # A deferred gather reads the other ranks' buckets: the used counts, whose all-reduce lets
         # every rank go on to reuse its buckets, wait for it; otherwise they travel behind the buckets.
         used = None if self._defer_gather else self._exchange_used(flags, self._step_count)
+        issued = used is not None
         try:
             with watchdog.waiting():
                 for b, handle in enumerate(self._handles):
@@ -765,13 +772,15 @@ class DistributedDataParallel(DDPCommon):
                 if outs is not None:
                     self._fill(outs)
                 if used is None:
+                    issued = True
                     used = self._exchange_used(flags, self._step_count)
                 totals = used.wait()
         except BaseException:
-            if used is None:  # failed before the gathers: forget them, and still issue what peers wait for
+            if not issued:  # failed before the gathers: forget them, and still issue what peers wait for
                 for buf in self._buffers:
                     self._comm.discard(buf)
-                self._exchange_used(flags, self._step_count)
+                # (waited for before this rank writes a bucket again: peers may still be gathering from it)
+                self._stale_used = self._exchange_used(flags, self._step_count)
             raise
         watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
         self._events.finalize_end_ns = _now()

@@ -155,21 +155,27 @@ def deferred_gathers(t, ref_comm, rank, n, exact):
     t.allreduce(buf, defer_gather=True).wait(timeout=60)
     buf[...] = 2
     t.allreduce(buf).wait(timeout=60)
+    t.barrier()
+    if rank != 0:  # were the forgotten gather still pending, rank 0 would read these
+        buf[...] = -1
+    t.barrier()
     out = np.empty(64, np.float32)
-    t.gather(buf, [(0, out)])
-    emit(rank, "deferred-then-plain", bool(np.all(out == 2 * n)), str(out[:3]))
+    t.gather(buf, [(0, out)])  # from this rank's own buffer: the plain all-reduce's result, or the -1s
+    emit(rank, "deferred-then-plain", bool(np.all(out == (2 * n if rank == 0 else -1))), str(out[:3]))
     # data in a peer's scratch (rank 0 passes ordinary memory) is gathered at once, before that
     # peer's next all-reduce overwrites its scratch; discard() forgets a gather that will not run
     buf = np.full(1000, 1, np.float32) if rank == 0 else t.empty(1000, np.float32)
     buf[...] = rank + 1
     t.allreduce(buf, defer_gather=True).wait(timeout=60)
     other = np.full(1000, 5, np.float32) if rank == 0 else t.empty(1000, np.float32)
-    other[...] = 3
-    t.allreduce(other, defer_gather=True).wait(timeout=60)  # rank 0's scratch now holds 3s
+    other[...] = 100
+    t.allreduce(other, defer_gather=True).wait(timeout=60)  # rank 0's scratch now holds sums of 100s
     out = np.empty(1000, np.float32)
     t.gather(buf, [(0, out)])
     emit(rank, "deferred-peer-scratch", bool(np.all(out == n * (n + 1) / 2)), str(out[:3]))
     t.discard(other)
+    if t._shm is not None and t._shm._pending:
+        emit(rank, "deferred-discarded", False, f"still pending: {len(t._shm._pending)}")
     other[...] = 1
     t.allreduce(other).wait(timeout=60)
     emit(rank, "deferred-discarded", bool(np.all(other == n)), str(other[:3]))
