@@ -247,6 +247,12 @@ class MPITransport:
 
         return self._submit(job, on_done)
 
+    @property
+    def defers_gather(self) -> bool:
+        """Whether `allreduce(..., defer_gather=True)` saves anything: only the shared-memory path
+        defers (elsewhere `gather` is a copy out of the reduced buffer)."""
+        return self._shm is not None
+
     def discard(self, buf: np.ndarray) -> None:
         """Forget the deferred gather of `buf` (its iteration failed before gathering)."""
         if self._shm is not None:

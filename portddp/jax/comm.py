@@ -51,6 +51,10 @@ class MPIComm:
     def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> Handle:
         return self.transport.allreduce(buf, defer_gather=defer_gather)
 
+    @property
+    def defers_gather(self) -> bool:
+        return self.transport.defers_gather
+
     def gather(self, buf: np.ndarray, dests: list[tuple[int, np.ndarray]]) -> None:
         """The sum of a finished allreduce(buf, defer_gather=True) into `dests` (portddp.transport)."""
         self.transport.gather(buf, dests)
@@ -94,6 +98,8 @@ class LocalComm:
         """Every rank holds this process's `buf`: their sum is size x it."""
         np.multiply(buf, self.size, out=buf, casting="unsafe")
         return Handle.completed(buf)
+
+    defers_gather = False
 
     def gather(self, buf: np.ndarray, dests: list[tuple[int, np.ndarray]]) -> None:
         scatter_into(dests, 0, buf.reshape(-1))

@@ -642,7 +642,8 @@ class DistributedDataParallel(DDPCommon):
         if not self._hooks_agreed:
             self._agree_on_hook()
         n = len(self._buffers)
-        self._defer_gather = fills and self._hook is None
+        # (where the transport cannot defer, the used counts had better travel behind the buckets)
+        self._defer_gather = fills and self._hook is None and self._comm.defers_gather
         self._ready = [False] * n
         self._next_launch = 0  # buckets launch strictly in plan order
         self._handles: list = [None] * n
