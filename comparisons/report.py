@@ -455,18 +455,21 @@ def bench_section(payload: dict) -> str:
                          num(r.get("vs_limit", r.get("vs_best_fixed")), ".3f"), num(m.get("overlap_ratio"), ".2f"),
                          num(m.get("exposed_comm_time", math.nan) * 1e3, ".1f"),
                          *(num((r.get("cpu") or {}).get(k, math.nan) * 1e3, ".1f")
-                           for k in ("total", "main", "comm", "xla", "other")),
+                           for k in ("total", "main", "comm", "xla", "other")), num(r.get("cpu_vs_limit"), ".2f"),
                          num(r.get("grad_mb"), ".0f"), num(r.get("peak_mb"), ".0f"),
                          num(cap, "") if cap is not None else "–"])
         parts.append(f"\n### {group}\n\n" + table(
             ["implementation", "ms / iteration", "vs native", "vs limit (auto: vs best fixed)", "overlap ratio",
-             "exposed comm (ms)", "CPU ms / it", "main", "comm", "xla", "other", "gradient MB", "peak RSS MB",
+             "exposed comm (ms)", "CPU ms / it", "main", "comm", "xla", "other", "CPU vs limit", "gradient MB",
+             "peak RSS MB",
              "cap MB"], body) + "\n")
     line = " ".join(f"{k}={v:.3f}" for k, v in headline.items())
     return ("Every implementation side by side in one run (interleaved rounds). *vs limit*: to the same "
             "framework's step without communication. *CPU ms / it*: CPU time per iteration per rank (mean over "
             "ranks), all threads, then the main thread, the comm threads (portddp's MPI comm thread, Gloo's), XLA's "
             "named pools and the rest (a comm thread that spins while it waits shows here, not in the time). "
+            "*CPU vs limit*: the CPU per iteration over that of the same framework's limit -- steadier than the "
+            "ratio of times on a shared machine, and blind to waiting. "
             "*gradient MB*: memory holding gradients after a step "
             "(every .grad storage plus bucket buffers). *peak RSS MB*: resident memory added while the variant "
             "was built and warmed up (approximate: memory freed by an earlier variant can be reused).\n"

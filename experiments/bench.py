@@ -103,10 +103,16 @@ def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
     for model in dict.fromkeys(r["params"]["model"] for r in rows if "model" in r["params"]):
         by = {r["label"]: r for r in rows if r["params"].get("model") == model}
         med = {k: r["median_s"] for k, r in by.items()}
+        cpu = {k: (r.get("cpu") or {}).get("total") for k, r in by.items()}
         for label, r in by.items():
-            limit = med.get("jax-local" if label.startswith("jax") else "torch-local")
+            limit_label = "jax-local" if label.startswith("jax") else "torch-local"
+            limit = med.get(limit_label)
             r["vs_native"] = r["median_s"] / med["native"] if "native" in med else math.nan
             r["vs_limit"] = r["median_s"] / limit if limit else math.nan
+            # The same ratios of CPU per iteration (all threads): steadier than those of time on a
+            # shared machine, and blind to waiting -- the two together say which one a DDP costs.
+            r["cpu_vs_native"] = _ratio(cpu[label], cpu.get("native"))
+            r["cpu_vs_limit"] = _ratio(cpu[label], cpu.get(limit_label))
         best = min((label for label in TORCH_DDP if label in by), key=lambda k: med[k], default=None)
         mine = {}
         if "torch-c10d" in by:
@@ -117,6 +123,12 @@ def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
         if "jax-hooked" in by:
             mine |= {"jax_hooked_vs_limit": by["jax-hooked"]["vs_limit"],
                      "jax_hooked_overlap": by["jax-hooked"]["metrics"].get("overlap_ratio", math.nan)}
+        if "torch-c10d" in by:
+            mine["cpu_torch_c10d_vs_native"] = by["torch-c10d"]["cpu_vs_native"]
+        if best:
+            mine["cpu_torch_best_vs_limit"] = by[best]["cpu_vs_limit"]
+        if "jax-hooked" in by:
+            mine["cpu_jax_hooked_vs_limit"] = by["jax-hooked"]["cpu_vs_limit"]
         tables.append((model, mine))
         for k in HEADLINE:  # the worst model decides: "overlap" is better high, the rest low
             if k in mine:
@@ -133,6 +145,10 @@ def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
             auto[0]["vs_best_fixed"] = headline[key]
             auto[0]["best_fixed_mb"] = best["params"]["bucket_cap_mb"]
     return headline, tables
+
+
+def _ratio(a, b) -> float:
+    return a / b if a is not None and b else math.nan
 
 
 CPU_COLUMNS = ("CPU ms", "main", "comm", "xla", "other")

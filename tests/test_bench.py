@@ -72,7 +72,7 @@ def test_soak_reports_memory_threads_and_files(tmp_path):
 
 
 def test_every_row_reports_cpu_per_iteration_by_thread_group(bench):
-    _, payload = bench
+    stdout, payload = bench
     for r in payload["rows"]:
         cpu = r["cpu"]
         assert len(cpu["per_rank"]) == 2, r["label"]
@@ -80,6 +80,15 @@ def test_every_row_reports_cpu_per_iteration_by_thread_group(bench):
         assert cpu["main"] > 0, r["label"]
     rows = {r["label"]: r for r in payload["rows"] if r["group"] == "mlp"}
     assert rows["torch-local"]["cpu"]["comm"] < rows["torch-mpi"]["cpu"]["comm"]  # no comm thread work alone
+    # ... and the ratios of CPU beside those of time, per row and in each model's summary line
+    assert rows["torch-mpi"]["cpu_vs_limit"] == pytest.approx(rows["torch-mpi"]["cpu"]["total"]
+                                                              / rows["torch-local"]["cpu"]["total"])
+    assert rows["jax-hooked"]["cpu_vs_limit"] == pytest.approx(rows["jax-hooked"]["cpu"]["total"]
+                                                               / rows["jax-local"]["cpu"]["total"])
+    model_line = next(line for line in stdout.splitlines() if line.startswith("mlp: "))
+    summary = dict(kv.split("=") for kv in model_line.removeprefix("mlp: ").split())
+    for key in ("cpu_torch_c10d_vs_native", "cpu_torch_best_vs_limit", "cpu_jax_hooked_vs_limit"):
+        assert float(summary[key]) > 0, summary
 
 
 def test_cpu_meter_tells_a_spinning_thread_from_a_waiting_one():
