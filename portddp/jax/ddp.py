@@ -781,7 +781,8 @@ class DistributedDataParallel(DDPCommon):
                 for buf in self._buffers:
                     self._comm.discard(buf)
                 # (waited for before this rank writes a bucket again: peers may still be gathering from it)
-                self._stale_used = self._exchange_used(flags, self._step_count)
+                with contextlib.suppress(Exception):  # (the first error is the one to report)
+                    self._stale_used = self._exchange_used(flags, self._step_count)
             raise
         watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
         self._events.finalize_end_ns = _now()
