@@ -1,10 +1,15 @@
 """Who portddp.jax talks to, one interface: the twin of portddp/torch/comm.py.
 
 `allreduce(buf)` sums a numpy buffer in place across ranks and returns a
-`portddp.transport.Handle` at once (the JAX side's future); with `defer_gather`, `gather(buf,
-dests)` then copies the sum where it is wanted (XLA's result buffers), straight from shared memory. `broadcast_(arrays)`
+`portddp.transport.Handle` at once (the JAX side's future). `broadcast_(arrays)`
 and `allgather_object(obj)` block and are used outside the backward pass
 (construction, buffer sync, plan rebuild, agreements).
+
+`gather(buf, dests)` copies a finished sum where it is wanted (XLA's result buffers); after
+`allreduce(buf, defer_gather=True)` on the shared-memory path, straight from the memory of the
+rank that reduced each slice (portddp/shm.py). The torch twin has no such pair: a PyTorch
+gradient is read where the all-reduce leaves it (the bucket, or `.grad` as a view of it), while
+a JAX gradient has to end in a buffer XLA owns.
 
 strategy="hooked" and "compiled" run one rank per MPI process (MPIComm: the
 hooked gradients travel here; the compiled ones inside XLA, so there the comm

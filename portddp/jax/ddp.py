@@ -12,7 +12,8 @@ method names for the same roles. What JAX forces to differ:
   launches the all-reduce on the MPI transport's comm thread while XLA goes on
   with the backward pass. A bucket arrives whole: "ready" needs no counting.
 * Gradients are values, not `.grad` fields: grad_fn returns them, in the input
-  pytree's structure, after waiting for every bucket (`_write_grads`). The
+  pytree's structure, after waiting for every bucket (`_fill`: written into XLA's
+  result buffers; `_write_grads` for eager `reduce()`). The
   pytree <-> bucket layout lives in portddp/jax/layout.py.
 * Every parameter gets a gradient (zeros if the loss does not use it, as
   `jax.grad` gives), so there is no `find_unused_parameters`. JAX never runs the
@@ -64,7 +65,6 @@ from portddp.jax.layout import Canonical, Layout, copy_scaled
 from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
                               check_same_step, check_same_specs, hook_result_error, nonfinite_error,
                               unused_parameters_error)
-from portddp.shm import scatter_into
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
 
@@ -822,27 +822,22 @@ class DistributedDataParallel(DDPCommon):
         buffers), through the comm's gather (straight from shared memory after a deferred one)."""
         outs = iter(outs)
         for buf, bucket in zip(self._buffers, self._plan.buckets):
-            targets = [next(outs) for _ in bucket.offsets]
-            # (XLA's buffers are row-major; were one not, reshape would copy: fill a temporary then)
-            flat = [t.reshape(-1) if t.flags.c_contiguous else np.empty(t.size, t.dtype) for t in targets]
-            dests = sorted(zip(bucket.offsets, flat), key=lambda d: d[0])
-            if self._defer_gather:
-                self._comm.gather(buf, dests)
-            else:
-                scatter_into(dests, 0, buf)
-            for t, f in zip(targets, flat):
-                if not t.flags.c_contiguous:
-                    t[...] = f.reshape(t.shape)
+            dests = []
+            for off in bucket.offsets:
+                out = next(outs)
+                if not out.flags.c_contiguous:  # (reshape would copy, and the copy be filled instead)
+                    raise RuntimeError(f"XLA handed a result buffer that is not row-major ({out.shape}, strides "
+                                       f"{out.strides}): portddp.jax cannot write the reduced gradients into it")
+                dests.append((off, out.reshape(-1)))
+            self._comm.gather(buf, sorted(dests, key=lambda d: d[0]))
 
-    def _write_grads(self, on_host: bool = False):
-        """The reduced buckets back into the pytree: a new one of jax arrays in its own layout; or,
-        `on_host` (for a host callback to hand XLA), one view of the buckets per parameter in plan
-        order, which the program turns into the pytree (Layout.to_tree)."""
+    def _write_grads(self):
+        """The reduced buckets back into the pytree: a new one of jax arrays in its own layout."""
         specs = self._plan.specs
         views = [buf[off:off + specs[k].numel].reshape(specs[k].shape) for buf, bucket in
                  zip(self._buffers, self._plan.buckets) for k, off in zip(bucket.params, bucket.offsets)]
         # Copy: the buffers are reused by the next iteration.
-        return views if on_host else self._layout.to_tree(self._plan, [jnp.array(v, copy=True) for v in views])
+        return self._layout.to_tree(self._plan, [jnp.array(v, copy=True) for v in views])
 
     # ---- join/uneven
     def _shadow_iteration(self, params, state, sync: bool):
@@ -854,20 +849,21 @@ class DistributedDataParallel(DDPCommon):
             return None, None, state, _zeros_like(params)
         buffers = jax.tree.leaves(state[0]) if self._will_sync_buffers(state) else []
 
-        def shadow(*buffers):
+        def shadow(outs, *buffers):
             if buffers:
                 self._sync_buffers(buffers)
-            self._begin_iteration()
+            self._begin_iteration(fills=True)
             for b in range(len(self._buffers)):
                 self._mark_ready(b, None)
-            self._finalize()
-            return self._write_grads(on_host=True)
+            self._finalize(outs)
 
+        shapes = _reduced_shapes(self._plan)
         if taps.traced(params):
-            reduced = taps.host_call(taps.reporting(shadow, self._callback_errors), _reduced_shapes(self._plan),
-                                     *buffers)
+            reduced = taps.host_call(taps.reporting(shadow, self._callback_errors), shapes, *buffers, fills=True)
         else:
-            reduced = [jnp.array(v, copy=True) for v in shadow(*buffers)]
+            reduced = [np.empty(s.shape, s.dtype) for s in shapes]
+            shadow(reduced, *buffers)
+            reduced = [jnp.asarray(r) for r in reduced]
         return None, None, state, self._layout.to_tree(self._plan, reduced)
 
     # ---- rebuild/autotune

@@ -134,16 +134,20 @@ def copy_scaled(dst: np.ndarray, src: np.ndarray, scale: float | None = None) ->
     of a leaf stored transposed). numpy walks such a copy in dst's order and reads src a column at
     a time, a cache line per element; in 256 x 256 tiles both sides stay in cache (a 1024 x 1024
     float32 kernel: 8.3 -> 1.7 ms here, a 4096 x 1024 one 35 -> 12 ms)."""
-    tiled = src.ndim == 2 and not src.flags.c_contiguous and src.size > _TILE * _TILE
-    rows = range(0, src.shape[0], _TILE) if tiled else [None]
-    cols = range(0, src.shape[1], _TILE) if tiled else [None]
-    for i in rows:
-        for j in cols:
-            where = ... if i is None else (slice(i, i + _TILE), slice(j, j + _TILE))
-            if scale is None:
-                dst[where] = src[where]
-            else:
-                np.multiply(src[where], scale, out=dst[where], casting="unsafe")
+    if src.ndim != 2 or src.flags.c_contiguous or src.size <= _TILE * _TILE:
+        _copy(dst, src, scale)
+        return
+    for i in range(0, src.shape[0], _TILE):
+        for j in range(0, src.shape[1], _TILE):
+            tile = (slice(i, i + _TILE), slice(j, j + _TILE))
+            _copy(dst[tile], src[tile], scale)
+
+
+def _copy(dst: np.ndarray, src: np.ndarray, scale: float | None) -> None:
+    if scale is None:
+        dst[...] = src
+    else:
+        np.multiply(src, scale, out=dst, casting="unsafe")
 
 
 def _permuted(shape: tuple[int, ...], perm) -> tuple[int, ...]:

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-__all__ = ["UNDER_VMAP", "checked_loss", "host_call", "host_tap", "keep_freed_memory", "reporting", "start_token", "traced",
-           "transformation"]
+__all__ = ["UNDER_VMAP", "checked_loss", "host_call", "host_tap", "keep_freed_memory", "reporting", "start_token",
+           "traced", "transformation"]
 
 UNDER_VMAP = (
     "portddp.jax grad_fn (strategy='hooked') cannot run under jax.vmap: its collectives are host callbacks "
@@ -116,7 +116,8 @@ def keep_freed_memory() -> None:
     tens of MB per step. By default glibc serves blocks that large with mmap and unmaps them when
     freed (or trims the top of the heap), so each step faults every page in again and the kernel
     zeroes it. Benchmark MLP, one process: 51 -> 39 ms per step with this setting through
-    buffer_callback, 53 -> 43 through io_callback (the step with no callbacks: 18-25 ms). mallopt(M_MMAP_THRESHOLD = 32 MB) keeps blocks below 32 MB on the heap,
+    buffer_callback, 53 -> 43 through io_callback (the step with no callbacks: 18-25 ms).
+    mallopt(M_MMAP_THRESHOLD = 32 MB) keeps blocks below 32 MB on the heap,
     mallopt(M_TRIM_THRESHOLD = 2 GB) keeps freed heap memory mapped. The cost: the process keeps
     its peak heap size. Process-wide, once; PORTDDP_MALLOC=system leaves glibc's defaults."""
     global _MALLOC_TUNED
