@@ -764,14 +764,17 @@ class DistributedDataParallel(DDPCommon):
         issued = used is not None
         try:
             with watchdog.waiting():
+                start = 0
                 for b, handle in enumerate(self._handles):
                     if self._hook is not None:
                         self._check_hook_result(b, handle)
                     else:
                         handle.wait()
                     self._events.buckets[b].done_ns = handle.done_ns
-                if outs is not None:
-                    self._fill(outs)
+                    if outs is not None:  # now, while the later buckets are still being reduced
+                        count = len(self._plan.buckets[b].params)
+                        self._fill(b, outs[start:start + count])
+                        start += count
                 if used is None:
                     issued = True
                     used = self._exchange_used(flags, self._step_count)
@@ -817,19 +820,16 @@ class DistributedDataParallel(DDPCommon):
             everyone = self._comm.allgather_object(mine)
         raise nonfinite_error(everyone, self.rank)
 
-    def _fill(self, outs: list[np.ndarray]) -> None:
-        """The reduced buckets into `outs` (one array per parameter in plan order: XLA's result
+    def _fill(self, b: int, outs: list[np.ndarray]) -> None:
+        """Reduced bucket b into `outs` (one array per parameter of it, in plan order: XLA's result
         buffers), through the comm's gather (straight from shared memory after a deferred one)."""
-        outs = iter(outs)
-        for buf, bucket in zip(self._buffers, self._plan.buckets):
-            dests = []
-            for off in bucket.offsets:
-                out = next(outs)
-                if not out.flags.c_contiguous:  # (reshape would copy, and the copy be filled instead)
-                    raise RuntimeError(f"XLA handed a result buffer that is not row-major ({out.shape}, strides "
-                                       f"{out.strides}): portddp.jax cannot write the reduced gradients into it")
-                dests.append((off, out.reshape(-1)))
-            self._comm.gather(buf, sorted(dests, key=lambda d: d[0]))
+        dests = []
+        for off, out in zip(self._plan.buckets[b].offsets, outs, strict=True):
+            if not out.flags.c_contiguous:  # (reshape would copy, and the copy be filled instead)
+                raise RuntimeError(f"XLA handed a result buffer that is not row-major ({out.shape}, strides "
+                                   f"{out.strides}): portddp.jax cannot write the reduced gradients into it")
+            dests.append((off, out.reshape(-1)))
+        self._comm.gather(self._buffers[b], sorted(dests, key=lambda d: d[0]))
 
     def _write_grads(self):
         """The reduced buckets back into the pytree: a new one of jax arrays in its own layout."""

@@ -605,11 +605,18 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # gradient held a NaN or Inf (a second half of the vector).
         flags = bytes(self._seen) + (bytes(self._nonfinite) if self.check_finite else b"")
         used_fut = self._exchange_used(flags, self._step_count) if early else None
+        # As native's reducer does, a bucket's mean goes back to .grad as soon as it is reduced,
+        # while the later buckets are still on the wire -- for the parameters this rank has a
+        # gradient of (used at least here; the rest wait for the counts). Not with check_finite,
+        # which leaves .grad untouched if any rank finds a NaN.
+        written = bytearray(len(self._params))
         with watchdog.waiting():
             for b, fut in enumerate(self._futures):
                 result = self._check_hook_result(b, fut.wait()) if self._hook is not None else _tensor_of(fut.wait())
                 if result.data_ptr() != self._bucket_buffers[b].data_ptr():
                     self._bucket_buffers[b].copy_(result)
+                if not self.check_finite:
+                    self._write_grads([i for i in self._plan.buckets[b].params if self._seen[i]], written)
             if not early:
                 delayed, used_fut = self._launch_delayed(), self._exchange_used(flags, self._step_count)
             if delayed is not None:
@@ -631,7 +638,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._raise_unused(counts)
         if any(nonfinite):
             self._raise_nonfinite()
-        self._write_grads(counts)
+        self._write_grads([i for i, done in enumerate(written) if not done and counts[i]], written)
 
     def _exchange_used(self, flags: bytes, step: int):
         """How many ranks produced each gradient (and found it non-finite), and each rank's step
@@ -655,14 +662,15 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             everyone = self._comm.allgather_object(mine) if self.world_size > 1 else [mine]
         raise nonfinite_error(everyone, self.rank)
 
-    def _write_grads(self, counts: list[int]) -> None:
-        """The mean back into `.grad`: one fused copy for the common case (every `.grad` exists and
-        is not the bucket view), a per-parameter path for the others."""
+    def _write_grads(self, indices: list[int], written: bytearray) -> None:
+        """The mean back into the `.grad` of parameters `indices` (marked in `written`): one fused
+        copy for the common case (`.grad` exists and is not the bucket view), a per-parameter path
+        for the others. (A parameter unused on every rank is never passed: its .grad is left as it
+        was, as native DDP does.)"""
         grads, views = [], []
-        for i, p in enumerate(self._params):
-            view = self._views[i]
-            if counts[i] == 0:
-                continue  # unused on every rank: .grad is left as it was, as native DDP does
+        for i in indices:
+            p, view = self._params[i], self._views[i]
+            written[i] = 1
             if p.grad is not None and p.grad.requires_grad:  # create_graph=True: keep its local graph
                 with torch.no_grad():
                     p.grad.copy_(view)
