@@ -4,6 +4,10 @@
     cpu.start(); ...steps...; cpu.stop(steps=3)      # any number of turns
     cpu.per_step()    # {"total": s, "main": s, "comm": s, "xla": s, "other": s, "threads": {name: s}}
 
+Per step, and the median over turns (each turn's CPU divided by its steps), as the times
+beside it are medians over steps: one turn that a stray page-fault storm or a scheduler
+hiccup made slow moves a mean, not a median.
+
 Why CPU: on a machine whose cores all compute, a comm thread that spins while
 it waits for a peer steals its core from the backward pass it should overlap.
 Wall time hides that; CPU seconds per step, split by thread, show it.
@@ -12,6 +16,7 @@ Wall time hides that; CPU seconds per step, split by thread, show it.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 
@@ -71,8 +76,8 @@ def thread_cpu() -> dict[int, tuple[str, str, float]]:
 
 
 class CpuMeter:
-    """CPU seconds spent by this process's threads between start() and stop(), summed
-    over turns and grouped (GROUPS) and by thread name.
+    """CPU seconds spent by this process's threads between start() and stop(), per turn,
+    grouped (GROUPS) and by thread name.
 
     A thread that ends inside a turn loses that turn's CPU (threads live for the
     whole run here: comm thread, Gloo, XLA pools); one born inside a turn counts
@@ -80,10 +85,7 @@ class CpuMeter:
 
     def __init__(self):
         self._before: dict[int, tuple[str, str, float]] | None = None
-        self.steps = 0
-        self.wall_s = 0.0
-        self.groups = dict.fromkeys(GROUPS, 0.0)
-        self.threads: dict[str, float] = {}
+        self.turns: list[dict] = []  # per turn and per step: {"total", *GROUPS, "wall", "threads"}
 
     def start(self) -> None:
         self._before = thread_cpu()
@@ -91,22 +93,25 @@ class CpuMeter:
 
     def stop(self, steps: int) -> None:
         wall = time.perf_counter() - self._t0
-        after = thread_cpu()
-        for tid, (group, name, seconds) in after.items():
+        groups, threads = dict.fromkeys(GROUPS, 0.0), {}
+        for tid, (group, name, seconds) in thread_cpu().items():
             spent = seconds - (self._before or {}).get(tid, (group, name, 0.0))[2]
-            self.groups[group] += spent
-            self.threads[name] = self.threads.get(name, 0.0) + spent
-        self.steps += steps
-        self.wall_s += wall
+            groups[group] += spent / steps
+            threads[name] = threads.get(name, 0.0) + spent / steps
+        self.turns.append({"total": sum(groups.values()), **groups, "wall": wall / steps, "threads": threads})
         self._before = None
 
     def per_step(self) -> dict:
-        """CPU seconds per step: "total", each group, and "threads" by name (summed over
-        threads of the same name); "wall" is the wall time per step over the same turns."""
-        n = max(self.steps, 1)
-        groups = {g: s / n for g, s in self.groups.items()}
-        busy = {k: v / n for k, v in sorted(self.threads.items(), key=lambda kv: -kv[1]) if v > 0}
-        return {"total": sum(groups.values()), **groups, "wall": self.wall_s / n, "threads": busy}
+        """CPU seconds per step, the median over turns: "total", each group, and "threads" by
+        name (summed over threads of the same name); "wall" is the wall time per step, the
+        median over the same turns. (Within a turn the groups sum to the total; their medians
+        need not.) Zeros before any turn."""
+        if not self.turns:
+            return {"total": 0.0, **dict.fromkeys(GROUPS, 0.0), "wall": 0.0, "threads": {}}
+        out = {k: statistics.median(t[k] for t in self.turns) for k in ("total", *GROUPS, "wall")}
+        names = {name for t in self.turns for name in t["threads"]}
+        busy = {name: statistics.median(t["threads"].get(name, 0.0) for t in self.turns) for name in names}
+        return out | {"threads": {k: v for k, v in sorted(busy.items(), key=lambda kv: -kv[1]) if v > 0}}
 
 
 class Memory:

@@ -127,3 +127,26 @@ def test_cpu_meter_tells_a_spinning_thread_from_a_waiting_one():
     assert spinning["comm"] > 0.01 and waiting["comm"] < spinning["comm"] / 20, (spinning, waiting)
     assert spinning["main"] < 0.01 and spinning["wall"] == pytest.approx(0.1, rel=0.5)
     assert spinning["threads"]["portddp-mpi-comm"] == pytest.approx(spinning["comm"])
+
+
+def test_cpu_meter_reports_the_median_turn():
+    """Like the step times beside it, CPU per step is a median over turns: one turn that burnt ten
+    times the CPU (a page-fault storm, a stray recompilation) does not move it."""
+    import time  # noqa: PLC0415
+
+    from harness.measure import CpuMeter  # noqa: PLC0415
+
+    def burn(seconds: float) -> None:  # CPU of this thread, whatever else the machine runs
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    meter = CpuMeter()
+    for seconds in (0.02, 0.2, 0.02, 0.02, 0.2):
+        meter.start()
+        burn(seconds)
+        meter.stop(steps=2)
+    per = meter.per_step()
+    assert 0.009 < per["main"] < 0.03, per  # 10 ms per step in the median turn; the mean would be 46
+    assert per["total"] >= per["main"] and per["wall"] >= 0.009, per
+    assert CpuMeter().per_step()["total"] == 0.0
