@@ -746,9 +746,9 @@ class DistributedDataParallel(DDPCommon):
 
     # ---- finalize
     def _finalize(self, outs: list[np.ndarray] | None = None) -> None:
-        """After the computation: launch the rest, wait in plan order, copy the reduced buckets
-        into `outs` (one array per parameter, plan order; None: the caller reads self._buffers),
-        agree on the used counts."""
+        """After the computation: launch the rest, wait in plan order, copying each reduced bucket
+        into `outs` as it arrives (one array per parameter, plan order; None: the caller reads
+        self._buffers), agree on the used counts."""
         for b in [b for b, ready in enumerate(self._ready) if not ready]:
             self._mark_ready(b, None)  # only a safety net: taps that cannot fire were found at trace time
         with self._lock:
