@@ -198,7 +198,13 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
 def _pin_threads(w: World, num_threads: int | None) -> int:
     """Give each rank its share of the cores: in torch, in numpy's BLAS and (if not yet imported)
     in XLA. numpy's OpenBLAS otherwise starts a thread per core in every rank, and its idle
-    threads spin: on two cores shared by two ranks that alone made every step half as fast."""
+    threads spin: on two cores shared by two ranks that alone made every step half as fast.
+
+    XLA's CPU client sizes its compute pool when it starts, from the NPROC environment
+    variable if set, else from the cores this process may run on; `--xla_cpu_multi_thread_eigen`
+    no longer limits it (jax 0.10: a jitted matmul still ran on two threads). Without NPROC,
+    two ranks on two cores ran four XLA compute threads whose idle workers spin: one JAX step
+    in four took 3-5 x its median, burning CPU all along."""
     import numpy  # noqa: F401, PLC0415 -- loads its BLAS, so that the limit below reaches it
     import threadpoolctl  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -209,12 +215,11 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
         num_threads = max(1, (os.cpu_count() or 1) // max(1, sharing))
     torch.set_num_threads(num_threads)
     threadpoolctl.threadpool_limits(num_threads)
-    if num_threads == 1 and "jax" not in sys.modules:
-        # XLA reads its flags when its CPU client starts: one Eigen thread per rank.
+    if "jax" not in sys.modules:  # (XLA reads these when its CPU client starts)
+        os.environ.setdefault("NPROC", str(num_threads))  # the size of XLA's compute pool
         flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_cpu_multi_thread_eigen" not in flags:
-            os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false"
-                                       " intra_op_parallelism_threads=1").strip()
+        if num_threads == 1 and "xla_cpu_multi_thread_eigen" not in flags:  # (older XLA's Eigen)
+            os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
     return num_threads
 
 
@@ -244,7 +249,8 @@ def init(
     backend: "gloo" (default), or "nccl" (needs CUDA; each rank takes GPU local_rank).
     world_size: the size you expect; a launcher that disagrees is an error.
     timeout_s: collective timeout (default PORTDDP_TIMEOUT_S or 300 s).
-    num_threads: torch compute threads per rank (default: cores / ranks on this host).
+    num_threads: compute threads per rank, in torch, numpy's BLAS and XLA (default: cores /
+        ranks on this host; XLA's only if JAX is not imported yet: its NPROC, below).
     torch_distributed: False skips c10d (e.g. transport="mpi" only).
     jax_distributed: also start jax.distributed (CPU collectives over Gloo), which
         portddp.jax's "compiled" strategy needs; call init() before any JAX computation.
