@@ -127,7 +127,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         del trainers
     where = cluster.cluster_info()
     if where is None:
-        command = " ".join([f"mpirun -n {world.size} python -m experiments.{name}", *sys.argv[1:]])
+        command = " ".join([f"mpirun{_binding()} -n {world.size} python -m experiments.{name}", *sys.argv[1:]])
         stem = f"{name}-n{world.size}"
     else:
         command = " ".join([f"portddp run {name} -n {world.size} --hosts {where['hosts']} --link {where['link']} --",
@@ -144,6 +144,13 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         trace.write_text(chrome_trace(traces))
         print(f"wrote {path} and {trace} (open in https://ui.perfetto.dev)")
     return payload
+
+
+def _binding() -> str:
+    """' -bind-to core:K' if this rank may run on K of the machine's cores only (as `portddp run`
+    binds ranks), else ''."""
+    k = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return f" -bind-to core:{k}" if k and k < (os.cpu_count() or k) else ""
 
 
 def _workload(cfg: ExperimentConfig, v: Variant) -> Workload:

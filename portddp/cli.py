@@ -45,8 +45,23 @@ def _checkout() -> Path:
     return root
 
 
+def binding(n: int, bind: str = "cores") -> list[str]:
+    """mpirun's arguments that give each of `n` ranks its own share of this machine's cores
+    (`-bind-to core:K`, K = cores // n), when they fit and `bind` is "cores"; else none.
+
+    Unbound, the OS moves each rank's threads (compute, comm thread, Gloo's) across all
+    cores, and on a machine whose cores all compute one rank's comm thread preempts the
+    other rank's backward pass: on 2 cores, torch MPI with gradient_as_bucket_view went
+    from 1.22-1.29 to 1.14-1.23 x its limit bound (README, Performance). OpenMPI binds
+    small jobs to cores by default; MPICH's mpirun does not."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if bind == "none" or n > cores:
+        return []
+    return ["-bind-to", f"core:{cores // n}"]
+
+
 def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link: str = "1gbit",
-            fallback: bool = False) -> int:
+            fallback: bool = False, bind: str = "cores") -> int:
     if hosts:
         from portddp import cluster  # noqa: PLC0415
 
@@ -57,7 +72,7 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
             print(f"portddp: no emulated cluster here ({why}): running on this machine's loopback instead",
                   flush=True)
             os.environ["PORTDDP_CLUSTER_UNAVAILABLE"] = why
-            return _mpirun(n, module, args)
+            return _mpirun(n, module, args, bind=bind)
         if link == "matched":
             link, _ = importlib.import_module("harness.calibrate").matched_rate(n, hosts, args)
 
@@ -68,8 +83,8 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
     if mpirun is None:
         raise SystemExit("mpirun not found: install portddp's dependencies (the mpich wheel provides it)")
-    cmd = [mpirun, "-n", str(n), sys.executable, "-m", module, *args]
-    print("$ " + " ".join(cmd[:3] + ["python"] + cmd[4:]), flush=True)
+    cmd = [mpirun, *binding(n, bind), "-n", str(n), sys.executable, "-m", module, *args]
+    print("$ " + " ".join(["mpirun", *cmd[1:]]).replace(sys.executable, "python"), flush=True)
     return subprocess.call(cmd)
 
 
@@ -90,6 +105,9 @@ def main(argv=None) -> int:
                        "(measured first)")
         p.add_argument("--or-loopback", action="store_true", help="with --hosts: where no cluster can be made, "
                        "run on this machine instead (the results say why)")
+        p.add_argument("--bind", choices=("cores", "none"), default="cores",
+                       help="without --hosts: 'cores' (default) binds each rank to its share of the cores "
+                       "(mpirun -bind-to core:K) when the ranks fit; 'none' leaves placement to the OS")
     sub.add_parser("report", help="build the report from result JSON (--results DIR --out DIR)")
     sub.add_parser("simulate", help="predict an iteration at another scale from a measured one (RESULT.json "
                    "--world N --link RATE --bucket-cap MB ...)", add_help=False)
@@ -109,11 +127,11 @@ def main(argv=None) -> int:
     args = [a for a in extra if a != "--"]
     _checkout()
     if ns.command == "run":
-        return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args, ns.hosts, ns.link, ns.or_loopback)
+        return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args, ns.hosts, ns.link, ns.or_loopback, ns.bind)
     if ns.command == "compare":
-        return _mpirun(ns.ranks, "comparisons.equivalence", args, ns.hosts, ns.link)
+        return _mpirun(ns.ranks, "comparisons.equivalence", args, ns.hosts, ns.link, bind=ns.bind)
     if ns.command == "mixed":
-        return _mpirun(ns.ranks, "comparisons.mixed", args, ns.hosts, ns.link)
+        return _mpirun(ns.ranks, "comparisons.mixed", args, ns.hosts, ns.link, bind=ns.bind)
     return importlib.import_module("comparisons.report").main(args)
 
 

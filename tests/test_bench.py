@@ -150,3 +150,25 @@ def test_cpu_meter_reports_the_median_turn():
     assert 0.009 < per["main"] < 0.03, per  # 10 ms per step in the median turn; the mean would be 46
     assert per["total"] >= per["main"] and per["wall"] >= 0.009, per
     assert CpuMeter().per_step()["total"] == 0.0
+
+
+@pytest.mark.parametrize("bind", ["cores", "none"])
+def test_portddp_run_binds_each_rank_to_its_share_of_the_cores(tmp_path, bind):
+    """`portddp run` gives each rank cores // ranks cores of its own (mpirun -bind-to core:K) when
+    the ranks fit, and the result says so (each rank's affinity, the command to rerun it); with
+    --bind none, or more ranks than cores, every rank may run anywhere."""
+    import os  # noqa: PLC0415
+
+    from portddp.cli import binding  # noqa: PLC0415
+
+    cores = len(os.sched_getaffinity(0))
+    assert binding(cores + 1) == [] and binding(1, "none") == []
+    proc = mpi.run(None, "portddp.cli", "run", "bench", "-n", "2", "--bind", bind, "--", "--models", "mlp",
+                   "--width", "64", "--depth", "2", "--batch", "4", "--impls", "torch-local", "--no-sweep",
+                   "--warmup", "1", "--rounds", "1", "--steps-per-round", "1", "--out-dir", str(tmp_path),
+                   timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "bench-n2.json").read_text())
+    bound = bind == "cores" and cores >= 2
+    assert len(payload["environment"]["affinity"]) == (cores // 2 if bound else cores), payload["environment"]
+    assert ("-bind-to core:" in payload["command"]) == (bound and cores // 2 < os.cpu_count())
