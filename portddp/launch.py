@@ -196,8 +196,8 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
 
 
 def _pin_threads(w: World, num_threads: int | None) -> int:
-    """Give each rank its share of the cores: in torch, in numpy's BLAS and (if not yet imported)
-    in XLA. numpy's OpenBLAS otherwise starts a thread per core in every rank, and its idle
+    """Give each rank its share of the cores: in torch, in numpy's BLAS and (if JAX has not
+    computed anything yet) in XLA. numpy's OpenBLAS otherwise starts a thread per core in every rank, and its idle
     threads spin: on two cores shared by two ranks that alone made every step half as fast.
 
     XLA's CPU client sizes its compute pool when it starts, from the NPROC environment
@@ -215,12 +215,19 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
         num_threads = max(1, (os.cpu_count() or 1) // max(1, sharing))
     torch.set_num_threads(num_threads)
     threadpoolctl.threadpool_limits(num_threads)
-    if "jax" not in sys.modules:  # (XLA reads these when its CPU client starts)
+    if not _xla_started():  # (XLA reads these when its CPU client starts)
         os.environ.setdefault("NPROC", str(num_threads))  # the size of XLA's compute pool
         flags = os.environ.get("XLA_FLAGS", "")
         if num_threads == 1 and "xla_cpu_multi_thread_eigen" not in flags:  # (older XLA's Eigen)
             os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
     return num_threads
+
+
+def _xla_started() -> bool:
+    """Has JAX created its backends (and XLA read its thread settings)? Importing jax does not;
+    the first computation or jax.devices() does."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bridge is not None and bool(getattr(bridge, "_backends", True))  # (unknown jax: assume so)
 
 
 _WORLD: World | None = None
@@ -250,7 +257,7 @@ def init(
     world_size: the size you expect; a launcher that disagrees is an error.
     timeout_s: collective timeout (default PORTDDP_TIMEOUT_S or 300 s).
     num_threads: compute threads per rank, in torch, numpy's BLAS and XLA (default: cores /
-        ranks on this host; XLA's only if JAX is not imported yet: its NPROC, below).
+        ranks on this host; XLA's only before JAX's first computation: its NPROC, below).
     torch_distributed: False skips c10d (e.g. transport="mpi" only).
     jax_distributed: also start jax.distributed (CPU collectives over Gloo), which
         portddp.jax's "compiled" strategy needs; call init() before any JAX computation.

@@ -48,8 +48,8 @@ def test_init_gives_xla_one_compute_thread_per_rank_share():
     """init(num_threads=1) before JAX starts: XLA's CPU client sizes its compute pool to it (NPROC;
     --xla_cpu_multi_thread_eigen alone no longer limits it), so two ranks on two cores do not run
     four compute threads. Counted as the process's XLA compute threads after a jitted matmul."""
-    code = ("import os, portddp; portddp.init(num_threads=1, torch_distributed=False, watchdog=False)\n"
-            "import jax, jax.numpy as jnp\n"
+    code = ("import os, jax, jax.numpy as jnp, portddp\n"  # (importing jax first is fine: it computed nothing)
+            "portddp.init(num_threads=1, torch_distributed=False, watchdog=False)\n"
             "x = jnp.ones((512, 512)); jax.jit(lambda a: a @ a)(x).block_until_ready()\n"
             "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
             "print('XLA-THREADS', sum(n.startswith('tf_XLA') for n in names), os.environ.get('NPROC'))\n")
