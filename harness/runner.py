@@ -147,10 +147,9 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
 
 
 def _binding() -> str:
-    """' -bind-to core:K' if this rank may run on K of the machine's cores only (as `portddp run`
-    binds ranks), else ''."""
-    k = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return f" -bind-to core:{k}" if k and k < (os.cpu_count() or k) else ""
+    """The binding arguments `portddp run` gave mpirun (' -bind-to user:...'), else ''."""
+    bound = os.environ.get("PORTDDP_MPIRUN_BIND", "")
+    return f" {bound}" if bound else ""
 
 
 def _workload(cfg: ExperimentConfig, v: Variant) -> Workload:

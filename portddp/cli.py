@@ -45,19 +45,49 @@ def _checkout() -> Path:
     return root
 
 
-def binding(n: int, bind: str = "cores") -> list[str]:
-    """mpirun's arguments that give each of `n` ranks its own share of this machine's cores
-    (`-bind-to core:K`, K = cores // n), when they fit and `bind` is "cores"; else none.
+def binding(n: int, bind: str = "cores", mpirun: str | None = None) -> list[str]:
+    """mpirun's arguments that give each of `n` ranks its own share of the physical cores this
+    process may use (`-bind-to user:0+1,2+3`: explicit CPU lists, so a taskset or cgroup
+    restriction and hyperthread siblings are respected), when `bind` is "cores", the ranks fit,
+    and `mpirun` is MPICH's (Hydra); else none.
 
     Unbound, the OS moves each rank's threads (compute, comm thread, Gloo's) across all
     cores, and on a machine whose cores all compute one rank's comm thread preempts the
     other rank's backward pass: on 2 cores, torch MPI with gradient_as_bucket_view went
-    from 1.22-1.29 to 1.14-1.23 x its limit bound (README, Performance). OpenMPI binds
+    from 1.22-1.29 to 1.14-1.23 x its limit bound (README, Performance). Open MPI binds
     small jobs to cores by default; MPICH's mpirun does not."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if bind == "none" or n > cores:
+    if bind == "none" or not hasattr(os, "sched_getaffinity") or not _is_hydra(mpirun):
         return []
-    return ["-bind-to", f"core:{cores // n}"]
+    cores = _physical_cores(os.sched_getaffinity(0))
+    k = len(cores) // n
+    if k == 0:
+        return []
+    ranks = ["+".join(str(cpu) for core in cores[r * k:(r + 1) * k] for cpu in core) for r in range(n)]
+    return ["-bind-to", "user:" + ",".join(ranks)]
+
+
+def _physical_cores(cpus) -> list[tuple[int, ...]]:
+    """The logical CPUs of `cpus` grouped by physical core (hyperthread siblings together), in
+    order; each CPU its own core where Linux does not say."""
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(cpus):
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            siblings = str(cpu)
+        cores.setdefault(siblings, []).append(cpu)
+    return [tuple(c) for c in cores.values()]
+
+
+def _is_hydra(mpirun: str | None) -> bool:
+    """Is this MPICH's mpirun (Hydra), whose -bind-to user:... binding() speaks?"""
+    if mpirun is None:
+        return False
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "HYDRA" in out.stdout
 
 
 def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link: str = "1gbit",
@@ -83,7 +113,9 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
     mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
     if mpirun is None:
         raise SystemExit("mpirun not found: install portddp's dependencies (the mpich wheel provides it)")
-    cmd = [mpirun, *binding(n, bind), "-n", str(n), sys.executable, "-m", module, *args]
+    bound = binding(n, bind, mpirun)
+    os.environ["PORTDDP_MPIRUN_BIND"] = " ".join(bound)  # (recorded in the results: harness.runner)
+    cmd = [mpirun, *bound, "-n", str(n), sys.executable, "-m", module, *args]
     print("$ " + " ".join(["mpirun", *cmd[1:]]).replace(sys.executable, "python"), flush=True)
     return subprocess.call(cmd)
 

@@ -200,11 +200,12 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
     computed anything yet) in XLA. numpy's OpenBLAS otherwise starts a thread per core in every rank, and its idle
     threads spin: on two cores shared by two ranks that alone made every step half as fast.
 
-    XLA's CPU client sizes its compute pool when it starts, from the NPROC environment
-    variable if set, else from the cores this process may run on; `--xla_cpu_multi_thread_eigen`
-    no longer limits it (jax 0.10: a jitted matmul still ran on two threads). Without NPROC,
+    XLA's CPU client sizes its compute pool when it starts, from the PJRT_NPROC (or NPROC)
+    environment variable if set, else from the cores this process may run on; `--xla_cpu_multi_thread_eigen`
+    no longer limits it (jax 0.10: a jitted matmul still ran on two threads). Without it,
     two ranks on two cores ran four XLA compute threads whose idle workers spin: one JAX step
-    in four took 3-5 x its median, burning CPU all along."""
+    in four took 3-5 x its median, burning CPU all along. The default share is the host's
+    cores over its ranks, at most the cores this rank may run on (bound, or in a container)."""
     import numpy  # noqa: F401, PLC0415 -- loads its BLAS, so that the limit below reaches it
     import threadpoolctl  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -212,11 +213,15 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
     if num_threads is None:
         # On an emulated cluster (portddp.cluster) every "host" shares this machine's cores.
         sharing = w.size if "PORTDDP_CLUSTER" in os.environ else w.local_size
-        num_threads = max(1, (os.cpu_count() or 1) // max(1, sharing))
+        share = (os.cpu_count() or 1) // max(1, sharing)
+        if hasattr(os, "sched_getaffinity"):  # (a rank bound to its cores, or a restricted container)
+            share = min(share, len(os.sched_getaffinity(0)))
+        num_threads = max(1, share)
     torch.set_num_threads(num_threads)
     threadpoolctl.threadpool_limits(num_threads)
     if not _xla_started():  # (XLA reads these when its CPU client starts)
-        os.environ.setdefault("NPROC", str(num_threads))  # the size of XLA's compute pool
+        if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:  # (the user's own win)
+            os.environ["PJRT_NPROC"] = str(num_threads)  # the size of XLA's compute pool
         flags = os.environ.get("XLA_FLAGS", "")
         if num_threads == 1 and "xla_cpu_multi_thread_eigen" not in flags:  # (older XLA's Eigen)
             os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
@@ -257,7 +262,7 @@ def init(
     world_size: the size you expect; a launcher that disagrees is an error.
     timeout_s: collective timeout (default PORTDDP_TIMEOUT_S or 300 s).
     num_threads: compute threads per rank, in torch, numpy's BLAS and XLA (default: cores /
-        ranks on this host; XLA's only before JAX's first computation: its NPROC, below).
+        ranks on this host; XLA's only before JAX's first computation: PJRT_NPROC, below).
     torch_distributed: False skips c10d (e.g. transport="mpi" only).
     jax_distributed: also start jax.distributed (CPU collectives over Gloo), which
         portddp.jax's "compiled" strategy needs; call init() before any JAX computation.

@@ -154,21 +154,29 @@ def test_cpu_meter_reports_the_median_turn():
 
 @pytest.mark.parametrize("bind", ["cores", "none"])
 def test_portddp_run_binds_each_rank_to_its_share_of_the_cores(tmp_path, bind):
-    """`portddp run` gives each rank cores // ranks cores of its own (mpirun -bind-to core:K) when
-    the ranks fit, and the result says so (each rank's affinity, the command to rerun it); with
-    --bind none, or more ranks than cores, every rank may run anywhere."""
+    """`portddp run` gives each rank its own physical cores out of those it may use (mpirun
+    -bind-to user:CPU lists) when the ranks fit, and the result says so (each rank's affinity,
+    the command to rerun it); with --bind none, or more ranks than cores, every rank may run
+    anywhere it could."""
     import os  # noqa: PLC0415
 
-    from portddp.cli import binding  # noqa: PLC0415
+    from portddp.cli import _physical_cores, binding  # noqa: PLC0415
 
-    cores = len(os.sched_getaffinity(0))
-    assert binding(cores + 1) == [] and binding(1, "none") == []
+    mine = os.sched_getaffinity(0)
+    cores = _physical_cores(mine)
+    mpirun = mpi.mpirun_path()
+    assert binding(len(cores) + 1, "cores", mpirun) == [] and binding(1, "none", mpirun) == []
+    assert binding(1, "cores", None) == []  # (not MPICH's mpirun: no -bind-to it might not speak)
     proc = mpi.run(None, "portddp.cli", "run", "bench", "-n", "2", "--bind", bind, "--", "--models", "mlp",
                    "--width", "64", "--depth", "2", "--batch", "4", "--impls", "torch-local", "--no-sweep",
                    "--warmup", "1", "--rounds", "1", "--steps-per-round", "1", "--out-dir", str(tmp_path),
                    timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     payload = json.loads((tmp_path / "bench-n2.json").read_text())
-    bound = bind == "cores" and cores >= 2
-    assert len(payload["environment"]["affinity"]) == (cores // 2 if bound else cores), payload["environment"]
-    assert ("-bind-to core:" in payload["command"]) == (bound and cores // 2 < os.cpu_count())
+    rank0 = set(payload["environment"]["affinity"])
+    bound = bind == "cores" and len(cores) >= 2
+    if bound:  # rank 0: the first half of the physical cores, hyperthread siblings included
+        assert rank0 == {cpu for core in cores[:len(cores) // 2] for cpu in core}, (rank0, cores)
+    else:
+        assert rank0 == mine
+    assert ("-bind-to user:" in payload["command"]) == bound, payload["command"]

@@ -45,15 +45,15 @@ def test_mpirun_world_and_rendezvous():
 
 
 def test_init_gives_xla_one_compute_thread_per_rank_share():
-    """init(num_threads=1) before JAX starts: XLA's CPU client sizes its compute pool to it (NPROC;
+    """init(num_threads=1) before JAX starts: XLA's CPU client sizes its compute pool to it (PJRT_NPROC;
     --xla_cpu_multi_thread_eigen alone no longer limits it), so two ranks on two cores do not run
     four compute threads. Counted as the process's XLA compute threads after a jitted matmul."""
     code = ("import os, jax, jax.numpy as jnp, portddp\n"  # (importing jax first is fine: it computed nothing)
             "portddp.init(num_threads=1, torch_distributed=False, watchdog=False)\n"
             "x = jnp.ones((512, 512)); jax.jit(lambda a: a @ a)(x).block_until_ready()\n"
             "names = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')]\n"
-            "print('XLA-THREADS', sum(n.startswith('tf_XLA') for n in names), os.environ.get('NPROC'))\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "XLA_FLAGS")}
+            "print('XLA-THREADS', sum(n.startswith('tf_XLA') for n in names), os.environ.get('PJRT_NPROC'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "PJRT_NPROC", "XLA_FLAGS")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "XLA-THREADS 1 1" in proc.stdout, proc.stdout + proc.stderr
 
