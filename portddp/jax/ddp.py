@@ -780,7 +780,8 @@ class DistributedDataParallel(DDPCommon):
                     used = self._exchange_used(flags, self._step_count)
                 totals = used.wait()
         except BaseException:
-            if not issued:  # failed before the gathers: forget them, and still issue what peers wait for
+            if not issued:  # failed before the used counts (some buckets may be gathered already, later ones
+                # still in flight): forget the pending gathers, and still issue what peers wait for
                 for buf in self._buffers:
                     self._comm.discard(buf)
                 # (waited for before this rank writes a bucket again: peers may still be gathering from it)

@@ -15,8 +15,9 @@ made readable:
    autograd keeps computing the rest of the backward pass.
 4. End of backward (a callback autograd runs once the graph is done): launch
    whatever is left, wait for every bucket in plan order -- writing each one's
-   mean back to `.grad` as it arrives --, and agree with the other ranks on
-   which parameters got gradients.
+   mean back to `.grad` as it arrives, for the parameters this rank has a
+   gradient of (the others, and all of them with check_finite, once the counts
+   are in) --, and agree with the other ranks on which parameters got gradients.
 
 The per-iteration state is a handful of plain lists on `self` (pending counts,
 ready flags, the next bucket to launch, futures), reset at each forward.
