@@ -596,9 +596,13 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._views[i].zero_()
             self._pending[self._bucket_of[i]] -= 1
         self._launch_ready_buckets()
-        # A comm hook may issue more collectives from its futures' callbacks (PowerSGD does): they
-        # must all be out before the ones below, or ranks would issue them in different orders.
-        early = self._hook is None
+        # The collectives below are queued behind the buckets (their latency hidden) on the MPI
+        # transport, whose comm thread runs one at a time. Not with a comm hook, which may issue
+        # more collectives from its futures' callbacks (PowerSGD does): they must all be out
+        # first, or ranks would issue them in different orders. And not on c10d: Gloo runs a
+        # small all-reduce issued now beside the last bucket's, which cost 3-7 % of a step on
+        # the MLPs against issuing it after the buckets (A/B, README Performance).
+        early = self._hook is None and self.transport != "c10d"
         delayed = self._launch_delayed() if early else None
         # One more small collective after the buckets: how many ranks produced
         # each gradient. It is what lets every rank -- not only the one missing
