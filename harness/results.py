@@ -51,7 +51,7 @@ def environment() -> dict:
         "numpy": numpy.__version__,
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        # The cores this rank may run on (mpirun -bind-to core:K, as `portddp run` binds, narrows it).
+        # The CPUs this rank may run on (`portddp run` binds each rank to its own: mpirun -bind-to user:...).
         "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
         "argv": sys.argv,

@@ -138,8 +138,9 @@ def main(argv=None) -> int:
         p.add_argument("--or-loopback", action="store_true", help="with --hosts: where no cluster can be made, "
                        "run on this machine instead (the results say why)")
         p.add_argument("--bind", choices=("cores", "none"), default="cores",
-                       help="without --hosts: 'cores' (default) binds each rank to its share of the cores "
-                       "(mpirun -bind-to core:K) when the ranks fit; 'none' leaves placement to the OS")
+                       help="without --hosts: 'cores' (default) binds each rank to its own share of the "
+                       "physical cores (MPICH's mpirun -bind-to user:CPU lists) when the ranks fit; 'none' "
+                       "leaves placement to the OS")
     sub.add_parser("report", help="build the report from result JSON (--results DIR --out DIR)")
     sub.add_parser("simulate", help="predict an iteration at another scale from a measured one (RESULT.json "
                    "--world N --link RATE --bucket-cap MB ...)", add_help=False)

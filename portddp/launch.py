@@ -197,15 +197,17 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
 
 def _pin_threads(w: World, num_threads: int | None) -> int:
     """Give each rank its share of the cores: in torch, in numpy's BLAS and (if JAX has not
-    computed anything yet) in XLA. numpy's OpenBLAS otherwise starts a thread per core in every rank, and its idle
-    threads spin: on two cores shared by two ranks that alone made every step half as fast.
+    computed anything yet) in XLA. numpy's OpenBLAS otherwise starts a thread per core in
+    every rank, and its idle threads spin: on two cores shared by two ranks that alone made
+    every step half as fast.
 
     XLA's CPU client sizes its compute pool when it starts, from the PJRT_NPROC (or NPROC)
-    environment variable if set, else from the cores this process may run on; `--xla_cpu_multi_thread_eigen`
-    no longer limits it (jax 0.10: a jitted matmul still ran on two threads). Without it,
-    two ranks on two cores ran four XLA compute threads whose idle workers spin: one JAX step
-    in four took 3-5 x its median, burning CPU all along. The default share is the host's
-    cores over its ranks, at most the cores this rank may run on (bound, or in a container)."""
+    environment variable if set, else from the cores this process may run on;
+    `--xla_cpu_multi_thread_eigen` no longer limits it (jax 0.10: a jitted matmul still ran
+    on two threads). Without it, two ranks on two cores ran four XLA compute threads whose
+    idle workers spin: one JAX step in four took 3-5 x its median, burning CPU all along.
+    The default share is the host's cores over its ranks, at most the cores this rank may
+    run on (bound, or in a container)."""
     import numpy  # noqa: F401, PLC0415 -- loads its BLAS, so that the limit below reaches it
     import threadpoolctl  # noqa: PLC0415
     import torch  # noqa: PLC0415
