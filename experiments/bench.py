@@ -57,6 +57,9 @@ class Config(runner.ExperimentConfig):
     rounds: int = dataclasses.field(default=5, metadata={"help": "interleaved rounds"})
     steps_per_round: int = dataclasses.field(default=3, metadata={"help": "timed steps per variant per round"})
     warmup: int = dataclasses.field(default=6, metadata={"help": "untimed steps per variant (JAX compiles here)"})
+    warmup_rounds: int = dataclasses.field(
+        default=1, metadata={"help": "untimed interleaved rounds before the timed ones (the first rounds of a run "
+                                     "fault pages back in that another variant's steps handed back)"})
 
 
 def _auto_warmup() -> int:

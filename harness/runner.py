@@ -38,6 +38,9 @@ class ExperimentConfig(Workload):
     seq: int = dataclasses.field(default=64, metadata={"help": "gpt: tokens per sequence (0: its block size)"})
     warmup: int = dataclasses.field(default=3, metadata={"help": "untimed steps per variant (JAX compiles here)"})
     rounds: int = dataclasses.field(default=3, metadata={"help": "interleaved rounds"})
+    warmup_rounds: int = dataclasses.field(
+        default=0, metadata={"help": "untimed interleaved rounds first: the process's memory settles into the "
+                                     "layout the interleaving gives (its first rounds fault pages back in)"})
     steps_per_round: int = dataclasses.field(default=4, metadata={"help": "timed steps per variant per round"})
     impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS[:5], metadata={"help": "implementations"})
     out_dir: str = dataclasses.field(default="results", metadata={"help": "where the JSON goes"})
@@ -89,6 +92,10 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         cpu = {label: CpuMeter() for label in trainers}
         wire = {label: [] for label in trainers}  # on the emulated cluster: bytes this host sent per step
         order = list(trainers.items())
+        for _ in range(cfg.warmup_rounds):
+            for _label, t in order:
+                for _ in range(cfg.steps_per_round):
+                    t.step()
         for r in range(cfg.rounds):
             # Each round starts with another variant, so that none always runs right after the same one.
             for label, t in order[r % len(order):] + order[:r % len(order)]:
