@@ -423,9 +423,16 @@ def _init_c10d(w: World, backend: str, timeout_s: float) -> None:
 
 
 def _destroy_c10d() -> None:
+    import gc  # noqa: PLC0415
+
     import torch.distributed as dist  # noqa: PLC0415
 
     if dist.is_initialized():
+        # First free what still refers to the group's work (a DDP wrapper the script dropped, its
+        # last iteration's futures, in reference cycles the collector has not reached yet): freed
+        # after the group, during the interpreter's teardown, they sometimes aborted the process
+        # ("terminate called without an active exception") after a script had finished.
+        gc.collect()
         try:
             dist.destroy_process_group()
         except Exception:  # at exit, nothing more useful to do with it
