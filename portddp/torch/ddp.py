@@ -615,14 +615,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # while the later buckets are still on the wire -- for the parameters this rank has a
         # gradient of (used at least here; the rest wait for the counts). Not with check_finite,
         # which leaves .grad untouched if any rank finds a NaN.
-        written = bytearray(len(self._params))
+        early_write = not self.check_finite
         with watchdog.waiting():
             for b, fut in enumerate(self._futures):
                 result = self._check_hook_result(b, fut.wait()) if self._hook is not None else _tensor_of(fut.wait())
                 if result.data_ptr() != self._bucket_buffers[b].data_ptr():
                     self._bucket_buffers[b].copy_(result)
-                if not self.check_finite:
-                    self._write_grads([i for i in self._plan.buckets[b].params if self._seen[i]], written)
+                if early_write:
+                    self._write_grads([i for i in self._plan.buckets[b].params if self._seen[i]])
             if not early:
                 delayed, used_fut = self._launch_delayed(), self._exchange_used(flags, self._step_count)
             if delayed is not None:
@@ -644,7 +644,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._raise_unused(counts)
         if any(nonfinite):
             self._raise_nonfinite()
-        self._write_grads([i for i, done in enumerate(written) if not done and counts[i]], written)
+        self._write_grads([i for i, c in enumerate(counts) if c and not (early_write and self._seen[i])])
 
     def _exchange_used(self, flags: bytes, step: int):
         """How many ranks produced each gradient (and found it non-finite), and each rank's step
@@ -668,15 +668,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             everyone = self._comm.allgather_object(mine) if self.world_size > 1 else [mine]
         raise nonfinite_error(everyone, self.rank)
 
-    def _write_grads(self, indices: list[int], written: bytearray) -> None:
-        """The mean back into the `.grad` of parameters `indices` (marked in `written`): one fused
-        copy for the common case (`.grad` exists and is not the bucket view), a per-parameter path
-        for the others. (A parameter unused on every rank is never passed: its .grad is left as it
-        was, as native DDP does.)"""
+    def _write_grads(self, indices: list[int]) -> None:
+        """The mean back into the `.grad` of parameters `indices`: one fused copy for the common
+        case (`.grad` exists and is not the bucket view), a per-parameter path for the others. (A
+        parameter unused on every rank is never passed: its .grad is left as it was, as native
+        DDP does.)"""
         grads, views = [], []
         for i in indices:
             p, view = self._params[i], self._views[i]
-            written[i] = 1
             if p.grad is not None and p.grad.requires_grad:  # create_graph=True: keep its local graph
                 with torch.no_grad():
                     p.grad.copy_(view)
