@@ -26,6 +26,12 @@ CASES = {
                            r"was built for \(4, 2\) float32: .*build a new DistributedDataParallel",
     "other_shapes_compiled": r"ValueError: leaf \['dec'\]\['w'\] is \(4, 3\) float32 here, but .* \(4, 2\) float32",
     "other_dtype_hooked": r"ValueError: leaf \['dec'\]\['w'\] is \(4, 2\) bfloat16 here, but .* \(4, 2\) float32",
+    "reduce_inside_jit": r"ValueError: ddp\.reduce\(\) cannot run inside jax\.jit .* Call it outside jit .* with "
+                         r"sync=True \(the default\)",
+    "model_grew": r"ValueError: pytree differs from the one DistributedDataParallel was built with: 2 leaves it was "
+                  r"not built with: \['l3'\]\['bias'\].*, \['l3'\]\['kernel'\].*\. The bucket plan .* build a new one",
+    "other_containers": r"ValueError: pytree structure differs .* same paths .*: got PyTreeDef\(\(\*, \*\)\), expected "
+                        r"PyTreeDef\(\[\*, \*\]\)\. The bucket plan",
     "hook_not_a_handle": r"TypeError: comm hook .*not_a_handle returned ndarray for bucket 0; a hook must return a "
                          r"portddp\.transport\.Handle",
     "hook_one_element": r"RuntimeError: comm hook .*one_element's handle for bucket 0 resolved to a \(1,\) float32 "

@@ -332,7 +332,16 @@ class DistributedDataParallel(DDPCommon):
         return flax_nnx.value_and_grad(self, loss_fn, has_aux)
 
     def reduce(self, grads):
-        """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order."""
+        """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order.
+        Eager only: it runs one synchronised iteration on the host (inside jax.jit, make the last
+        micro-batch's grad_fn call with sync=True instead)."""
+        if taps.traced(grads):
+            raise ValueError(
+                f"ddp.reduce() cannot run inside {taps.transformation(grads)}: it reduces the arrays it is "
+                "given on the host, once, and a trace has only placeholders. Call it outside jit on the "
+                "gradients your jitted sync=False steps returned, or accumulate inside jit and make the last "
+                "micro-batch's call grad_fn(params, batch) with sync=True (the default): that step reduces "
+                "the accumulated gradients and can be traced")
         if self._rebuild_order is not None:
             self._rebuild()
         leaves = self._layout.leaves_of(grads)

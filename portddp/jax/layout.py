@@ -97,8 +97,7 @@ class Layout:
         and, leaf by leaf, the same shape and dtype (works on tracers too: shapes are static)."""
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != self.treedef:
-            raise ValueError(f"pytree structure differs from the one DistributedDataParallel was built with:"
-                             f" got {treedef}, expected {self.treedef}")
+            raise ValueError(self._structure_error(tree, treedef))
         for name, shape, dtype, leaf in zip(self.leaf_names, self.leaf_shapes, self.leaf_dtypes, leaves):
             if tuple(np.shape(leaf)) != shape or np.dtype(leaf.dtype).name != dtype:
                 raise ValueError(
@@ -106,6 +105,30 @@ class Layout:
                     f"DistributedDataParallel was built for {shape} {dtype}: the bucket plan and its buffers are "
                     "sized for the parameters it was given; build a new DistributedDataParallel for new shapes")
         return leaves
+
+    def _structure_error(self, tree, treedef) -> str:
+        """What differs between `tree` and the pytree we were built with, by leaf path."""
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        new = [p for p in paths if p not in set(self.leaf_names)]
+        gone = [p for p in self.leaf_names if p not in set(paths)]
+        fix = ("The bucket plan and its buffers are sized for the parameters DistributedDataParallel was built "
+               "with: build a new one (and a new optimizer state) after changing the model, and pass the same "
+               "pytree (for Flax NNX: the model, or nnx.state(model, nnx.Param)) at every call")
+        if new or gone:
+            def some(xs):
+                return ", ".join(xs[:5]) + (f" and {len(xs) - 5} more" if len(xs) > 5 else "")
+            def leaves(xs):
+                return f"{len(xs)} lea{'f' if len(xs) == 1 else 'ves'}"
+            what = "; ".join(([f"{leaves(new)} it was not built with: {some(new)}"] if new else [])
+                             + ([f"missing {leaves(gone)} it was built with: {some(gone)}"] if gone else []))
+            return f"pytree differs from the one DistributedDataParallel was built with: {what}. {fix}"
+
+        def short(d) -> str:
+            text = str(d)
+            return text if len(text) <= 300 else text[:300] + " ..."
+        return (f"pytree structure differs from the one DistributedDataParallel was built with, though its leaves "
+                f"have the same paths (other container types or node metadata): got {short(treedef)}, expected "
+                f"{short(self.treedef)}. {fix}")
 
     def leaves_of(self, tree) -> dict[int, object]:
         """{parameter k: its leaf} of a checked `tree`."""

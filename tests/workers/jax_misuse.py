@@ -112,6 +112,41 @@ def accumulate_inside_jit():
     return f"steps={ddp._step_count}"
 
 
+def reduce_inside_jit():
+    """ddp.reduce() reduces arrays on the host: inside jit it is refused, naming the traced way."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    jax.jit(lambda p, x: ddp.reduce(grad_fn(p, x, sync=False)[1]))(params, batch(0))
+
+
+def model_grew():
+    """A Flax NNX model given a new layer after it was wrapped: the error names the new leaves."""
+    from flax import nnx  # noqa: PLC0415
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 4, rngs=rngs)
+            self.l2 = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.l2(jnp.tanh(self.l1(x)))
+            return self.l3(x) if hasattr(self, "l3") else x
+
+    model = Net(nnx.Rngs(0))
+    grad_fn = DistributedDataParallel(model).nnx_value_and_grad(lambda m, x: jnp.mean(m(x)))
+    grad_fn(model, batch(0))
+    model.l3 = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+    grad_fn(model, batch(1))
+
+
+def other_containers():
+    """The same leaf paths in other containers (a tuple where DDP was built with a list)."""
+    params = [jnp.ones((4, 2), jnp.float32), jnp.zeros(2, jnp.float32)]
+    grad_fn = DistributedDataParallel(params).value_and_grad(lambda p, x: jnp.mean(x @ p[0] + p[1]))
+    grad_fn(tuple(params), batch(0))
+
+
 def with_hook(hook):
     params = init_params()
     ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
@@ -142,6 +177,9 @@ CASES = {
     "other_shapes_hooked": lambda: other_shapes("hooked"),
     "other_shapes_compiled": lambda: other_shapes("compiled"),
     "other_dtype_hooked": other_dtype,
+    "reduce_inside_jit": reduce_inside_jit,
+    "model_grew": model_grew,
+    "other_containers": other_containers,
     "hook_not_a_handle": lambda: with_hook(not_a_handle),
     "hook_one_element": lambda: with_hook(one_element),
     "hook_half_bucket": lambda: with_hook(half_bucket),
