@@ -336,12 +336,17 @@ class DistributedDataParallel(DDPCommon):
         Eager only: it runs one synchronised iteration on the host (inside jax.jit, make the last
         micro-batch's grad_fn call with sync=True instead)."""
         if taps.traced(grads):
+            if self.strategy == "hooked":
+                raise ValueError(
+                    f"ddp.reduce() cannot run inside {taps.transformation(grads)}: it reduces the arrays it is "
+                    "given on the host, once, and a trace has only placeholders. Call it outside jit on the "
+                    "gradients your jitted sync=False steps returned, or accumulate inside jit and make the last "
+                    "micro-batch's call grad_fn(params, batch) with sync=True (the default): that step reduces "
+                    "the accumulated gradients and can be traced")
             raise ValueError(
-                f"ddp.reduce() cannot run inside {taps.transformation(grads)}: it reduces the arrays it is "
-                "given on the host, once, and a trace has only placeholders. Call it outside jit on the "
-                "gradients your jitted sync=False steps returned, or accumulate inside jit and make the last "
-                "micro-batch's call grad_fn(params, batch) with sync=True (the default): that step reduces "
-                "the accumulated gradients and can be traced")
+                f"ddp.reduce() cannot run inside {taps.transformation(grads)}: strategy={self.strategy!r} "
+                "reduces in its own program over every rank's device, which cannot be traced into yours. Call "
+                "it outside jit on the gradients your jitted sync=False steps returned (it is compiled already)")
         if self._rebuild_order is not None:
             self._rebuild()
         leaves = self._layout.leaves_of(grads)
