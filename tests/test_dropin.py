@@ -15,6 +15,7 @@ from tests import mpi
 SCENARIOS = [
     "native_signature", "double_after_wrap", "compile_after", "compile_before", "accumulation", "amp",
     "join", "join_effective_world", "powersgd", "powersgd_rank2_no_warm_start", "fp16_wrapper", "native_fp16",
+    "fp16_wrapper_powersgd", "nosync_unused", "nosync_unused_view", "join_unused",
     "buffers_b1_u0", "buffers_b1_u1", "buffers_b0_u0", "buffers_b0_u1", "static_graph_checkpoint",
     "init_sync_false", "forward_sync_buffers_false", "delay_all_reduce",
 ]
@@ -79,6 +80,7 @@ NATIVE_ERRORS = [
     ("bucket_cap_mb_list", r"bucket_cap_mb_list=\[1, 25\] is not supported by portddp: pass bucket_cap_mb="),
     ("delay_without_hook_param", r"delay_all_reduce_named_params and param_to_hook_all_reduce need to be set"),
     ("meta_device", r"parameters on the meta device .* module\.to_empty"),
+    ("sync_batchnorm_on_cpu", r"ValueError: SyncBatchNorm layers only work with GPU modules"),
     ("hook_one_element", r"comm hook .*one_element's future for bucket 0 resolved to a \(1,\) float32 tensor, but "
                          r"the bucket holds 30 float32 gradients: return the whole reduced bucket"),
     ("hook_half", r"comm hook .*half's future for bucket 0 resolved to a \(15,\) float32 tensor"),

@@ -84,11 +84,11 @@ class GradBucket:
     fp16_compress_wrapper, ...) run unchanged, plus `allreduce()` on this DDP's
     transport for portddp's hooks."""
 
-    def __init__(self, index: int, buffer: torch.Tensor, params: list, grads: list, num_buckets: int, comm):
+    def __init__(self, index: int, buffer: torch.Tensor, params: list, offsets: list[int], num_buckets: int, comm):
         self._index = index
         self._buffer = buffer
         self._params = params
-        self._grads = grads
+        self._offsets = offsets
         self._is_last = index == num_buckets - 1
         self._comm = comm
         self.world_size = comm.size
@@ -104,8 +104,10 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """One view of the bucket buffer per parameter, shaped like it."""
-        return list(self._grads)
+        """One view of the bucket buffer per parameter, shaped like it -- of the buffer now, as
+        native's: after set_buffer(a float16 copy), float16 views of the copy
+        (fp16_compress_wrapper(powerSGD_hook) relies on it)."""
+        return [self._buffer[off:off + p.numel()].view(p.shape) for p, off in zip(self._params, self._offsets)]
 
     def parameters(self) -> list:
         return list(self._params)
@@ -207,7 +209,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                                    overlap=overlap, check_finite=check_finite)
         process_group = self._native_arguments(
             module, device_ids, output_device, process_group, device_mesh, mixed_precision, bucket_cap_mb_list,
-            delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction)
+            delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction, broadcast_buffers,
+            forward_sync_buffers)
         self.config = config
         self._iterations = 0  # synchronised iterations finished
         self._step_count = 0  # forwards with autograd on (no_sync ones included)
@@ -277,6 +280,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._warned_create_graph = False
         self._buffer_syncs = 0  # buffer broadcasts so far (their header carries it)
         self._hooks_agreed = False  # the first synchronised iteration compares comm hooks across ranks
+        # find_unused_parameters, as native's local used map: the parameters that got a gradient in a
+        # no_sync() backward since the last synchronised one count as used by this rank in the next,
+        # which reduces whatever .grad they hold; and what the last reduction found used anywhere, which
+        # a joined rank contributes to the others' (native's _match_unused_params_allreduce).
+        self._used_unsynced = bytearray(len(self._params))
+        self._used_last = bytes(len(self._params))
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
 
@@ -325,13 +334,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._bucket_sizes = [len(b.params) for b in plan.buckets]
 
     def _grad_bucket(self, b: int, buffer: torch.Tensor) -> GradBucket:
-        params = self._plan.buckets[b].params
-        if buffer is self._bucket_buffers[b]:
-            grads = [self._views[i] for i in params]
-        else:  # a stand-in buffer (join's zeros): views of it
-            grads = [buffer[off:off + self._params[i].numel()].view_as(self._params[i])
-                     for i, off in zip(params, self._plan.buckets[b].offsets)]
-        return GradBucket(b, buffer, [self._params[i] for i in params], grads, len(self._plan.buckets), self._comm)
+        bucket = self._plan.buckets[b]
+        return GradBucket(b, buffer, [self._params[i] for i in bucket.params], list(bucket.offsets),
+                          len(self._plan.buckets), self._comm)
 
     @property
     def bucket_plan(self) -> BucketPlan:
@@ -491,8 +496,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
 
     def _make_hook(self, i: int):
         def hook(param: torch.Tensor) -> None:
-            if self._sync:  # under no_sync the gradient simply accumulates in .grad
+            if self._sync:
                 self._mark_ready(i, param)
+            elif self.find_unused_parameters:  # under no_sync the gradient simply accumulates in .grad
+                self._used_unsynced[i] = 1
 
         return hook
 
@@ -590,10 +597,18 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """End of backward: launch the rest, wait in order, agree on unused params, write .grad."""
         self._expect_grads = False
         missing = [i for i, seen in enumerate(self._seen) if not seen]
+        # Used by this rank since the last synchronised backward (native's local used map).
+        used = bytes(max(a, b) for a, b in zip(self._seen, self._used_unsynced))
+        self._used_unsynced = bytearray(len(self._params))
         for i in missing:
-            # No gradient here; other ranks may have one, and every rank must
-            # still issue the same collectives: reduce zeros for it.
-            self._views[i].zero_()
+            # No gradient in this backward; other ranks may have one, and every rank must still issue
+            # the same collectives. Reduce what .grad holds (with find_unused_parameters, as native
+            # does: a no_sync() backward's accumulated gradient is averaged now), else zeros.
+            p = self._params[i]
+            if self.find_unused_parameters and p.grad is not None:
+                self._pack(i, p)
+            else:
+                self._views[i].zero_()
             self._pending[self._bucket_of[i]] -= 1
         self._launch_ready_buckets()
         # The collectives below are queued behind the buckets (their latency hidden) on the MPI
@@ -609,7 +624,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # a gradient -- fail together instead of hanging.
         # With check_finite the same collective also counts, per parameter, the ranks whose
         # gradient held a NaN or Inf (a second half of the vector).
-        flags = bytes(self._seen) + (bytes(self._nonfinite) if self.check_finite else b"")
+        flags = used + (bytes(self._nonfinite) if self.check_finite else b"")
         used_fut = self._exchange_used(flags, self._step_count) if early else None
         # As native's reducer does, a bucket's mean goes back to .grad as soon as it is reduced,
         # while the later buckets are still on the wire -- for the parameters this rank has a
@@ -630,6 +645,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             totals = used_fut.wait().tolist()
         n = len(self._params)
         counts, nonfinite, steps = totals[:n], totals[n:-self.world_size], totals[-self.world_size:]
+        self._used_last = bytes(1 if c else 0 for c in counts)
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
@@ -713,10 +729,16 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             futures.append(self._comm.allreduce(torch.zeros(sum(p.numel() for _, p in self._delayed),
                                                             dtype=self._delayed[0][1].dtype)))
         self._iterations += 1
-        futures.append(self._exchange_used(bytes(len(self._params) * (2 if self.check_finite else 1)), 0))
+        # With find_unused_parameters, native's joined rank contributes the used map of its last
+        # reduction (kept up to date by every shadow one): what was used then counts as used now,
+        # so the others write zeros (their mean) into those .grad rather than leaving them alone.
+        used = self._used_last if self.find_unused_parameters else bytes(len(self._params))
+        used_fut = self._exchange_used(used + (bytes(len(self._params)) if self.check_finite else b""), 0)
         with watchdog.waiting():
             for fut in futures:
                 fut.wait()
+            totals = used_fut.wait().tolist()
+        self._used_last = bytes(1 if c else 0 for c in totals[:len(self._params)])
 
     # ---- rebuild/autotune
     def _rebuild(self) -> None:

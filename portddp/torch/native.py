@@ -89,7 +89,7 @@ class NativeInterface:
 
     def _native_arguments(self, module, device_ids, output_device, process_group, device_mesh, mixed_precision,
                           bucket_cap_mb_list, delay_all_reduce_named_params, param_to_hook_all_reduce,
-                          check_reduction):
+                          check_reduction, broadcast_buffers=None, forward_sync_buffers=None):
         """Native DDP's checks of its own arguments, with native's words where they exist; returns
         the process group to use (device_mesh's, if one was given)."""
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
@@ -114,6 +114,15 @@ class NativeInterface:
         if check_reduction:
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
                           "Please avoid using it.", FutureWarning, stacklevel=3)
+        if broadcast_buffers is not None:  # (2.13's words)
+            warnings.warn(
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. `broadcast_buffers` is "
+                "deprecated and its value is ignored when `forward_sync_buffers` is provided."
+                if forward_sync_buffers is not None else
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. IMPORTANT: unlike "
+                "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers at init. If you rely on "
+                "buffers NOT being synced at init (e.g. rank-local buffers), keep using `broadcast_buffers=False` "
+                "until `init_sync_buffers` is available.", FutureWarning, stacklevel=3)
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self._delayed = []  # (name, param): reduced together after backward
         for name, param in delay_all_reduce_named_params or ():
@@ -138,6 +147,8 @@ class NativeInterface:
         if len(types) != 1:
             raise ValueError("DistributedDataParallel's input module must be on the same type of devices, but "
                              f"input module parameters locate in {types}.")
+        if types == {"cpu"} and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+            raise ValueError("SyncBatchNorm layers only work with GPU modules")  # (native's words and moment)
         multi_device = len({p.device for p in params}) > 1
         if not device_ids or types == {"cpu"} or multi_device:
             if device_ids or output_device:

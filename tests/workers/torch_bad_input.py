@@ -119,6 +119,8 @@ def run(case: str, transport: str) -> None:
         DistributedDataParallel(lin, delay_all_reduce_named_params=[("weight", lin.weight)], transport=transport)
     elif case == "meta_device":
         DistributedDataParallel(nn.Linear(4, 4, device="meta"), transport=transport)
+    elif case == "sync_batchnorm_on_cpu":
+        DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)), transport=transport)
     elif case == "forward_without_backward":
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
         for step in range(2):

@@ -192,6 +192,10 @@ def powersgd(transport):
             process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3, min_compression_rate=0.5,
             warm_start=False), powerSGD_hook.powerSGD_hook),
         "fp16_wrapper": lambda: (None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)),
+        # (PowerSGD's docs' recommendation: it works on bucket.gradients() of the float16 buffer)
+        "fp16_wrapper_powersgd": lambda: (powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=0.5),
+            default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook)),
         "native_fp16": lambda: (None, default_hooks.fp16_compress_hook),
     }
     for name, make_hook in cases.items():
@@ -224,6 +228,43 @@ def buffer_sync(transport):
                                 ddp_kw={"bucket_cap_mb": CAP_MB, "broadcast_buffers": broadcast,
                                         "find_unused_parameters": find_unused})
             compare(f"buffers_b{int(broadcast)}_u{int(find_unused)}", transport, native, ours, train)
+
+
+def nosync_unused(transport):
+    """find_unused_parameters + no_sync() accumulation, as a mixture of experts trains: the branch
+    gets gradients in the no_sync micro-step only, on some ranks; native counts it as used and
+    averages its accumulated gradient at the synchronised step (with and without the bucket view)."""
+    for view in (False, True):
+        def train(ddp):
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+            rank = dist.get_rank()
+            for step in range(4):
+                opt.zero_grad()
+                with ddp.no_sync():
+                    loss_of(ddp, 10 * step, rank, use_branch=(rank + step) % 2 == 0).backward()
+                loss_of(ddp, 10 * step + 1, rank).backward()
+                opt.step()
+        native, ours = pair(transport, model_kw={"branch": True},
+                            ddp_kw={"bucket_cap_mb": CAP_MB, "find_unused_parameters": True,
+                                    "gradient_as_bucket_view": view})
+        compare("nosync_unused" + ("_view" if view else ""), transport, native, ours, train)
+
+
+def join_unused(transport):
+    """join() + find_unused_parameters: every rank uses the branch at step 1, the last step of the
+    rank that joins first, and nobody after. Native's joined rank contributes the used map of its
+    last reduction, so the others write zeros into the branch's .grad (momentum keeps moving it)."""
+    def train(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        rank = dist.get_rank()
+        with ddp.join():
+            for step in range(2 + 2 * rank):
+                opt.zero_grad()
+                loss_of(ddp, step, rank, use_branch=step == 1).backward()
+                opt.step()
+    native, ours = pair(transport, model_kw={"branch": True},
+                        ddp_kw={"bucket_cap_mb": CAP_MB, "find_unused_parameters": True})
+    compare("join_unused", transport, native, ours, train)
 
 
 def static_graph_checkpoint(transport):
@@ -260,7 +301,7 @@ def uneven_effective_world(transport):
 
 
 SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world,
-             uneven_throw, powersgd, buffer_sync,
+             uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, init_and_delay]
 
 
