@@ -598,8 +598,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._expect_grads = False
         missing = [i for i, seen in enumerate(self._seen) if not seen]
         # Used by this rank since the last synchronised backward (native's local used map).
-        used = bytes(max(a, b) for a, b in zip(self._seen, self._used_unsynced))
-        self._used_unsynced = bytearray(len(self._params))
+        used = bytes(self._seen)
+        if self.find_unused_parameters and any(self._used_unsynced):
+            used = bytes(max(a, b) for a, b in zip(self._seen, self._used_unsynced))
+            self._used_unsynced = bytearray(len(self._params))
         for i in missing:
             # No gradient in this backward; other ranks may have one, and every rank must still issue
             # the same collectives. Reduce what .grad holds (with find_unused_parameters, as native
@@ -645,7 +647,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             totals = used_fut.wait().tolist()
         n = len(self._params)
         counts, nonfinite, steps = totals[:n], totals[n:-self.world_size], totals[-self.world_size:]
-        self._used_last = bytes(1 if c else 0 for c in counts)
+        if self.find_unused_parameters:  # (what a join() shadow contributes later)
+            self._used_last = bytes(1 if c else 0 for c in counts)
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
@@ -738,7 +741,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             for fut in futures:
                 fut.wait()
             totals = used_fut.wait().tolist()
-        self._used_last = bytes(1 if c else 0 for c in totals[:len(self._params)])
+        if self.find_unused_parameters:
+            self._used_last = bytes(1 if c else 0 for c in totals[:len(self._params)])
 
     # ---- rebuild/autotune
     def _rebuild(self) -> None:
