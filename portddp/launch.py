@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import ipaddress
 import os
+import re
 import socket
 import sys
 
@@ -324,12 +325,32 @@ def allgather_object(obj, *, name: str | None = None) -> list:
         got = [None] * w.size
         with watchdog.waiting(label):
             dist.all_gather_object(got, (name, obj))
+    return unpack_named(got, name, w.rank)
+
+
+def allgather_named(allgather, obj, rank: int) -> list:
+    """`allgather(obj)` (any transport's object allgather), checked as `allgather_object(name=...)`
+    is, under the name of the collective this rank issued last (portddp.watchdog.collective)."""
+    from portddp import watchdog  # noqa: PLC0415
+
+    name = watchdog.current() or None
+    return unpack_named(allgather((name, obj)), name, rank)
+
+
+def unpack_named(got: list, name: str | None, rank: int) -> list:
+    """The objects of an allgather of (name, obj) pairs, once every rank's name is `name`'s: ranks
+    that met in differently named calls (each thinking it is in another collective) raise, on every
+    rank, naming each rank's call, instead of using the wrong objects. An iteration number in a
+    name ("iteration 3: model check") is not compared: the step checks judge those."""
+    def bare(n):
+        return re.sub(r"^iteration \d+: ", "", n) if isinstance(n, str) else n
+
     names = [n for n, _ in got]
-    if name is not None and any(n != name for n in names):
+    if name is not None and any(bare(n) != bare(name) for n in names):
         where = "; ".join(f"rank {r}: {n or 'an unnamed allgather_object'!r}" for r, n in enumerate(names))
-        raise RuntimeError(f"the ranks met in different collectives -- {where} (this is rank {w.rank}). Every rank "
-                           f"must make the same calls in the same order (e.g. call {name!r} on every rank, or on "
-                           "none)")
+        raise RuntimeError(f"the ranks met in different collectives -- {where} (this is rank {rank}). Every rank "
+                           f"must make the same calls in the same order (e.g. call {bare(name)!r} on every rank, or "
+                           "on none)")
     return [o for _, o in got]
 
 
@@ -343,7 +364,7 @@ def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAUL
     if w.launcher != "mpirun" and not torch_distributed:
         return  # no channel to exchange addresses on before any collective
     server, me = watchdog.listen(_reachable_address() or "127.0.0.1")
-    peers = allgather_object(me)
+    peers = allgather_object(me, name="portddp.init: watchdog addresses")
     try:
         _WATCHDOG = watchdog.start(w.rank, server, peers, stall_s=0.8 * timeout_s)
     except OSError as e:  # every rank ends up here (a peer it waits for never connects): run without it
@@ -371,7 +392,7 @@ def _init_jax(w: World, timeout_s: float) -> None:
         import torch.distributed as dist  # noqa: PLC0415
 
         if dist.is_available() and dist.is_initialized():
-            taken = allgather_object(taken)[0]
+            taken = allgather_object(taken, name="portddp.init: port check")[0]
         if taken is not None:
             raise RuntimeError(f"port {port} on rank 0 ({socket.gethostname() if w.rank == 0 else addr}) is already "
                                f"in use ({taken}), and MASTER_PORT (+1 for the jax coordinator) asks for it: set "

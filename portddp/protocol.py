@@ -5,9 +5,14 @@ framework it runs -- that is what lets one `mpirun` job mix PyTorch and JAX
 ranks (comparisons/mixed.py). Over the MPI transport the sequence is:
 
 construction          allgather(config), launcher channel  agree on caps and transport (below)
-                      allgather(specs)                     agree on the model
-broadcast             allgather(specs); Bcast per bucket   rank 0's parameters, in bucket layout
+                      allgather([specs, digest])           agree on the model (digest: JAX's of the
+                                                           values, None from PyTorch, which broadcasts)
+broadcast             allgather([specs, None]);            rank 0's parameters, in bucket layout
+                      Bcast per bucket
                       (PyTorch: then Bcast of buffers, coalesced by dtype)
+first JAX step, if    allgather(digest)                    refuse to average different models
+values differed and                                        (every rank a JAX one: with a PyTorch
+no broadcast                                               rank the digests are never compared)
 iteration 2, once     Bcast(int64[n] ready order)          rebuild the plan from rank 0's order
 each iteration        Allreduce per bucket, in plan order  the mean gradients
                       Allreduce(int32[n] "used" counts)    who produced which gradient
@@ -36,7 +41,9 @@ names read "iteration <n> <what>" inside an iteration (what: "bucket <k>",
 "buffer broadcast", "unused-count", ...), so that the inspector can say which
 collective each rank is in, and the first one whose name differs across ranks.
 Named launcher-channel allgathers (`launch.allgather_object(obj, name=...)`)
-also compare the names across ranks and raise on a mismatch.
+also compare the names across ranks and raise on a mismatch, and so does
+every transport allgather (under the name last announced, its iteration
+number aside).
 
 The config exchange runs over the launcher's own channel (MPI's COMM_WORLD
 under mpirun, c10d under torchrun), not over the transport under test: two
@@ -53,10 +60,17 @@ __all__ = ["buffer_sync_header", "check_buffer_sync_header", "check_same_config"
 
 
 def check_same_config(everyone: Sequence[dict]) -> None:
-    """Raise on every rank if any rank's DDP arguments (bucket caps, transport) differ from rank 0's."""
+    """Raise on every rank if any rank's DDP arguments (bucket caps, transport) differ from rank 0's.
+    The arguments only one framework has (under the key "torch": broadcast_buffers, ...) are
+    compared among the ranks that send them (a job may mix PyTorch and JAX ranks)."""
+    def flat(d, other):
+        own = d.get("torch") if "torch" in other else {}
+        return {**{k: v for k, v in d.items() if k != "torch"}, **(own or {})}
+
     for r, theirs in enumerate(everyone[1:], start=1):
-        for key in [*everyone[0], *(k for k in theirs if k not in everyone[0])]:
-            ours = everyone[0].get(key)
+        ref, theirs = flat(everyone[0], theirs), flat(theirs, everyone[0])
+        for key in [*ref, *(k for k in theirs if k not in ref)]:
+            ours = ref.get(key)
             if theirs.get(key) != ours:
                 raise ValueError(
                     f"DistributedDataParallel arguments differ across ranks: {key} is {ours!r} on rank 0 but "

@@ -27,11 +27,14 @@ A goodbye is not always harmless: a rank whose loop ends early (one batch
 fewer, a `sys.exit(0)`) leaves the others waiting in a collective it will
 never join. The goodbye therefore carries how many synchronised DDP
 iterations the rank finished (`step_started`/`step_finished`, called by
-DistributedDataParallel). A survivor that is in (or starts) an iteration the
-departed rank never reached, PORTDDP_EARLY_EXIT_GRACE_S seconds (default 5)
-after the goodbye, exits the same way, naming the rank, its count and the fix
-(`join()` / `ddp.uneven()` for uneven inputs). (The grace lets a rank that
-left because of an error every rank hits -- bad input -- raise its own.)
+DistributedDataParallel) and how many of portddp's collectives it issued
+(`collective()`, below). A survivor that is in (or starts) an iteration the
+departed rank never reached, or waits in any other collective of portddp's
+that rank never issued (a model check at construction, a checkpoint save),
+PORTDDP_EARLY_EXIT_GRACE_S seconds (default 5) after the goodbye, exits the
+same way, naming the rank, its counts and the fix (`join()` / `ddp.uneven()`
+for uneven inputs). (The grace lets a rank that left because of an error every
+rank hits -- bad input -- raise its own.)
 
 Stalls and desyncs (the role of Horovod's stall inspector and PyTorch's desync
 debug mode): every collective portddp issues is announced with
@@ -73,7 +76,7 @@ import threading
 import time
 from contextlib import nullcontext
 
-__all__ = ["EXIT_CODE", "Watchdog", "collective", "listen", "pid_alive", "start", "stall_report", "step_started",
+__all__ = ["EXIT_CODE", "Watchdog", "collective", "current", "listen", "pid_alive", "start", "stall_report", "step_started",
            "step_finished", "waiting"]
 
 EXIT_CODE = 70
@@ -85,6 +88,7 @@ _BYE, _FAILED, _STOPPED = b"B", b"F", b"S"
 _QUERY, _ANSWER, _STALLED = b"Q", b"A", b"W"
 _NEWLINE = "\x1e"  # a message is one line: newlines travel as this
 _RING = 64  # names of the last collectives kept per process (for the desync check)
+_LEFT_WAIT_S = 0.5  # a wait this old, in a collective a departed rank never issued, cannot finish
 
 
 class _Steps:
@@ -124,6 +128,12 @@ def collective(name: str) -> None:
     p.names[p.seq % _RING] = name
 
 
+def current() -> str:
+    """The name of the collective this rank issued last ("" before the first)."""
+    p = _PROGRESS
+    return p.names[p.seq % _RING] if p.seq else ""
+
+
 class _Waiting:
     __slots__ = ("name",)
 
@@ -138,12 +148,16 @@ class _Waiting:
             p.waiters += 1
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, value, tb):
         p = _PROGRESS
         with p.lock:
             p.waiters -= 1
             if p.waiters == 0:
                 p.waiting_since, p.idle_since = None, time.monotonic()
+        if value is not None and _ACTIVE is not None and isinstance(value, Exception):
+            why = _ACTIVE.explain(value)
+            if why is not None:  # the collective failed because a peer left: say that, not only how
+                raise RuntimeError(why) from value
         return False
 
 
@@ -214,6 +228,10 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
             for r in behind) + f", while {ranks(leaders)} {'is' if len(leaders) == 1 else 'are'} in "
             f"{coll(leaders[0])}. Find what {'it is' if len(behind) == 1 else 'they are'} doing (a slow step, I/O, "
             "work on some ranks only), or raise PORTDDP_STALL_S if this wait is expected")
+    elif departed:
+        head += (f"{ranks(departed)} left without an error (see the table) and will never join it. Every rank must "
+                 "make the same portddp calls before it ends (for uneven inputs: `with ddp.join():`, "
+                 "portddp.jax: `ddp.uneven(batches)`)")
     elif all(s["waiting"] is not None for s in live.values()) and len({s["seq"] for s in live.values()}) == 1:
         head += (f"every rank{' that answered' if len(live) < len(states) else ''} waits in {coll(stalled[0])}: the collective itself does not complete "
                  "(a network problem, or a collective portddp does not see, issued by some ranks only)")
@@ -314,6 +332,7 @@ class Watchdog:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending = {r: b"" for r in self.socks}
         self._departed: dict[int, int] = {}  # rank -> synchronised iterations it finished before leaving
+        self._departed_seq: dict[int, tuple[int, str]] = {}  # rank -> (collectives issued, the last one's name)
         self._departed_at: dict[int, float] = {}
         self._grace_s = float(os.environ.get("PORTDDP_EARLY_EXIT_GRACE_S", 5.0))
         # The stall inspector: the inspection under way (answers by rank, deadline), the wait already
@@ -440,7 +459,12 @@ class Watchdog:
         if kind == _BYE:
             # Judged from the thread's loop after a grace period: a rank that left because of an
             # error this rank is about to hit as well (bad input, raised on every rank) is no culprit.
-            self._departed[r] = int(text or 0)
+            try:
+                bye = json.loads(text)
+            except ValueError:
+                bye = {}
+            self._departed[r] = int(bye.get("iterations", 0))
+            self._departed_seq[r] = int(bye.get("seq", 0)), str(bye.get("last", ""))
             self._departed_at[r] = time.monotonic()
             return ""
         if kind == _FAILED:
@@ -449,15 +473,46 @@ class Watchdog:
             return text
         return f"{self._who(r)} is gone" if closed else None
 
-    def _left_early(self, r: int) -> str | None:
-        """The loss to report if rank r, gone after its last iteration, is needed by the one under way here."""
+    def explain(self, error: Exception) -> str | None:
+        """(Main thread.) A collective this rank waited in raised `error`: if it is the echo of a peer
+        that left early (Gloo's "Connection closed by peer" once a rank whose loop ended one batch
+        early has exited), the reason to raise instead, naming that rank; else None. Its goodbye
+        travels on another socket: a connection error waits for it up to half a second."""
+        text = str(error)
+        lost = any(w in text for w in ("Connection closed", "Connection reset", "Broken pipe", "closed by peer"))
+        deadline = time.monotonic() + (0.5 if lost else 0.0)
+        while True:
+            for r in list(self._departed):
+                why = self._left_early(r, waited=True)
+                if why is not None:
+                    return f"{why} ({type(error).__name__} from the collective: {(text.splitlines() or [''])[0][:200]})"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def _left_early(self, r: int, waited: bool = False) -> str | None:
+        """The loss to report if rank r, gone, is needed by what this rank does: the DDP iteration under
+        way here (one it never reached), or any other collective of portddp's this rank waits in that
+        rank r never issued (a model check at construction, a checkpoint save, a buffer broadcast).
+        `waited`: this rank's last wait just failed (else: it must be waiting now, for a while)."""
         done = self._departed[r]
-        if not (_STEPS.busy and _STEPS.completed >= done):
-            return None
-        return (f"{self._who(r)} left without an error (its script returned or called sys.exit) after {done} synchronised iteration(s), while this "
-                f"rank is in iteration {_STEPS.completed + 1}, whose collectives need every rank. Give every rank "
-                "the same number of batches (e.g. DistributedSampler with drop_last=True), or wrap the training "
-                "loop in `with ddp.join():` for uneven inputs (portddp.jax: `for batch in ddp.uneven(batches):`)")
+        left = (f"{self._who(r)} left without an error (its script returned or called sys.exit) after {done} "
+                "synchronised iteration(s)")
+        if _STEPS.busy and _STEPS.completed >= done:
+            where = f"this rank is in iteration {_STEPS.completed + 1}, whose collectives need every rank"
+        else:
+            p = _PROGRESS
+            seq, last = self._departed_seq.get(r, (None, ""))
+            since = p.waiting_since
+            waiting = waited or (since is not None and time.monotonic() - since >= _LEFT_WAIT_S)
+            if seq is None or not waiting or p.seq <= seq:
+                return None
+            left += f" and {seq} collective(s) (the last {last!r})" if seq else " and before any collective"
+            where = f"this rank waits in collective #{p.seq} {p.waiting_for!r}, which needs every rank"
+        return (f"{left}, while {where}. Give every rank the same number of batches (e.g. DistributedSampler with "
+                "drop_last=True), or wrap the training loop in `with ddp.join():` for uneven inputs (portddp.jax: "
+                "`for batch in ddp.uneven(batches):`); every rank must make the same portddp calls (construction, "
+                "checkpoint saves) before it ends")
 
     def check_departed(self) -> None:
         """From step_started(): a peer that already left makes this iteration impossible -- once its
@@ -560,7 +615,7 @@ class Watchdog:
             if self._done:
                 return
             self._done = True
-        summary = f"{kind.__name__}: {(str(value).splitlines() or [''])[0][:300]}"
+        summary = _summary(kind, value)
         self._failed = True
         self._tell_all(_FAILED, summary)
         sys.excepthook = self._excepthook
@@ -588,13 +643,27 @@ class Watchdog:
             _unlink_mpi_shared_memory()
             os._exit(1)
         if say_bye:
-            self._tell_all(_BYE, str(_STEPS.completed))
+            self._tell_all(_BYE, json.dumps({"iterations": _STEPS.completed, "seq": _PROGRESS.seq,
+                                             "last": current()}))
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2)
+
+
+def _summary(kind, value) -> str:
+    """One line naming an uncaught exception, for the other ranks. An error raised inside a JAX host
+    callback reaches Python wrapped by XLA ("INTERNAL: CpuCallback error: Traceback ..."): the
+    inner exception's own line is the one that says what happened."""
+    lines = [line.strip() for line in str(value).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if "Traceback" in first or "CpuCallback error" in first:
+        inner = [line for line in lines[1:] if ": " in line and line.split(":", 1)[0].replace(".", "").isidentifier()]
+        if inner:
+            return f"{inner[-1][:300]} (raised in a JAX host callback; {kind.__name__})"
+    return f"{kind.__name__}: {first[:300]}"
 
 
 def _unlink_mpi_shared_memory() -> None:

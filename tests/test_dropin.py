@@ -7,6 +7,7 @@ DDPs; each rank writes one JSON line per scenario, asserted here."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -16,7 +17,8 @@ SCENARIOS = [
     "native_signature", "double_after_wrap", "compile_after", "compile_before", "accumulation", "amp",
     "join", "join_effective_world", "powersgd", "powersgd_rank2_no_warm_start", "fp16_wrapper", "native_fp16",
     "fp16_wrapper_powersgd", "nosync_unused", "nosync_unused_view", "join_unused",
-    "buffers_b1_u0", "buffers_b1_u1", "buffers_b0_u0", "buffers_b0_u1", "static_graph_checkpoint",
+    "buffers_b1_u0", "buffers_b1_u1", "buffers_b0_u0", "buffers_b0_u1", "buffers_two_forwards", "static_graph_checkpoint",
+    "static_graph_ignored_output", "rewrap",
     "init_sync_false", "forward_sync_buffers_false", "delay_all_reduce",
 ]
 
@@ -37,6 +39,8 @@ def test_trains_exactly_like_native_ddp(results, scenario):
     bound = 4 * 2.0**-10 if "fp16" in scenario else 2e-5
     for row in got:
         assert row["bitwise"] if n == 2 else row["max_diff"] <= bound, row
+        assert row.get("grad_none", True), row  # static_graph_ignored_output: the ignored head's .grad is None
+        assert row.get("old_refused", True), row  # rewrap: the superseded wrapper refuses a forward
 
 
 def test_native_attributes_and_module_interface(results):
@@ -116,10 +120,30 @@ def test_a_forward_without_backward_on_every_rank_is_dropped_as_native_does(tran
 def test_a_rank_that_stops_one_batch_early_stops_every_rank_naming_it(transport):
     proc = mpi.run(3, "tests.workers.torch_bad_input", "one_batch_fewer", transport, timeout=60)
     assert proc.returncode != 0
+    left = (r"rank 2 \(pid \d+ on .*\) left without an error .* after 2 synchronised iteration\(s\), while this rank is "
+            r"in iteration 3.*ddp\.join\(\)")
+    for r in (0, 1):  # from the watchdog, or raised at once where the transport notices the closed connection
+        assert (re.search(rf"{left}.*; rank {r} exits now \(code 70\)", proc.stderr)
+                or re.search(rf"PORTDDP_ERROR rank={r} RuntimeError: {left}", proc.stdout)), \
+            proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("transport", ["c10d", "mpi"])
+@pytest.mark.parametrize("case, where", [("exit_before_construction", r"#\d+ 'DDP construction: config check'"),
+                                         ("exit_before_checkpoint", r"#\d+ 'checkpoint save'")])
+def test_a_rank_that_ends_before_a_collective_outside_backward_stops_every_rank_at_once(transport, case, where,
+                                                                                        tmp_path):
+    """Not only iterations: a rank whose script ends (exit code 0) before the others' DDP construction or
+    collective checkpoint save stops them after the grace period (5 s), not after the stall inspector's
+    240 s."""
+    start = time.monotonic()
+    proc = mpi.run(3, "tests.workers.torch_bad_input", case, transport, timeout=60,
+                   env={"PORTDDP_TEST_DIR": str(tmp_path)})
+    assert proc.returncode != 0 and time.monotonic() - start < 45, proc.stderr[-3000:]
     for r in (0, 1):
-        assert re.search(rf"rank 2 \(pid \d+ on .*\) left without an error .* after 2 synchronised iteration\(s\), "
-                         rf"while this rank is in iteration 3.*ddp\.join\(\).*; rank {r} exits now \(code 70\)",
-                         proc.stderr), proc.stderr[-3000:]
+        assert re.search(rf"rank 2 \(pid \d+ on .*\) left without an error .* after \d+ synchronised iteration\(s\) "
+                         rf"and .*, while this rank waits in collective {where}, which needs every rank.*; rank {r} "
+                         r"exits now \(code 70\)", proc.stderr), proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("who", ["c10d", "jax"])

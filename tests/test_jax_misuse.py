@@ -28,6 +28,12 @@ CASES = {
     "other_dtype_hooked": r"ValueError: leaf \['dec'\]\['w'\] is \(4, 2\) bfloat16 here, but .* \(4, 2\) float32",
     "reduce_inside_jit": r"ValueError: ddp\.reduce\(\) cannot run inside jax\.jit .* Call it outside jit .* with "
                          r"sync=True \(the default\)",
+    "per_rank_init_hooked": r"ValueError: parameter values differ across ranks at the first synchronised step "
+                            r"\(rank 1 vs rank 0; this is rank \d\): .* call params = ddp\.broadcast\(params\)",
+    "per_rank_init_compiled": r"ValueError: parameter values differ across ranks at the first synchronised step",
+    "per_rank_init_jitted": r"OK warned: the parameters' values differed across ranks when DistributedDataParallel "
+                            r"was built \(rank 1 vs rank 0\) and broadcast\(\) was not called",
+    "broadcast_then_step": r"OK loss=",
     "model_grew": r"ValueError: pytree differs from the one DistributedDataParallel was built with: 2 leaves it was "
                   r"not built with: \['l3'\]\['bias'\].*, \['l3'\]\['kernel'\].*\. The bucket plan .* build a new one",
     "other_containers": r"ValueError: pytree structure differs .* same paths .*: got PyTreeDef\(\(\*, \*\)\), expected "

@@ -47,6 +47,13 @@ def test_config_key_only_another_rank_has_is_a_difference():
         check_same_config([CONFIG, CONFIG | {"gradient_as_bucket_view": True}])
 
 
+def test_framework_only_arguments_are_compared_among_the_ranks_of_that_framework():
+    torch_args = {"torch": {"broadcast_buffers/forward_sync_buffers": True}}
+    check_same_config([CONFIG | torch_args, CONFIG, CONFIG | torch_args])  # rank 1 is a JAX rank
+    with pytest.raises(ValueError, match="broadcast_buffers/forward_sync_buffers is True on rank 0 but False on rank 2"):
+        check_same_config([CONFIG | torch_args, CONFIG, CONFIG | {"torch": {"broadcast_buffers/forward_sync_buffers": False}}])
+
+
 # ---- check_same_specs
 
 SPECS = [("0.weight", (4, 3), "float32"), ("0.bias", (4,), "float32"), ("1.weight", (2, 4), "float32")]

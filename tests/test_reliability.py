@@ -260,3 +260,21 @@ def test_sigterm_stops_a_jax_distributed_job_within_seconds(target, tmp_path):
         assert re.search(r"portddp: rank 1 \(pid \d+ on .*\) received SIGTERM; rank 1 exits now \(code 143\)",
                          output), output[-3000:]
     assert_no_orphans([int((tmp_path / f"pid.{r}").read_text()) for r in range(2)])
+
+
+def test_the_others_hear_the_inner_error_of_a_failing_jax_host_callback():
+    """What a rank dying of an uncaught exception tells the others: XLA wraps an error raised in a host
+    callback (a user's pure_callback) as 'INTERNAL: CpuCallback error ... Traceback'; the line sent is
+    the inner exception's."""
+    import jax
+    import jax.numpy as jnp
+
+    from portddp.watchdog import _summary
+
+    def bad(x):
+        raise ValueError("boom inside the callback")
+
+    with pytest.raises(Exception) as e:
+        jax.jit(lambda x: jax.pure_callback(bad, jax.ShapeDtypeStruct((2,), jnp.float32), x))(jnp.ones(2)).block_until_ready()
+    assert _summary(e.type, e.value).startswith("ValueError: boom inside the callback (raised in a JAX host callback; ")
+    assert _summary(KeyError, KeyError("plain")) == "KeyError: 'plain'"

@@ -83,7 +83,7 @@ class MPIComm:
             offset += a.nbytes
 
     def allgather_object(self, obj) -> list:
-        return self.transport.allgather_object(obj)
+        return launch.allgather_named(self.transport.allgather_object, obj, self.rank)
 
 
 class LocalComm:

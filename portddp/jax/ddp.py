@@ -47,8 +47,10 @@ checks, agreements) or, for pmap, a LocalComm (portddp/jax/comm.py).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import time
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -205,12 +207,14 @@ class DistributedDataParallel(DDPCommon):
 
         if strategy != "pmap":  # (pmap: one process, nobody to compare with)
             check_same_config(launch.allgather_object(config.exchanged(
-                transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})")))
+                transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})"),
+                name="DDP construction: config check"))
         self._comm = make_comm(strategy, pmap_devices)
         self.world_size = self._comm.size
         self.rank = self._comm.rank
         self._inv_world = 1.0 / self.world_size
-        self._verify_same_model(specs)
+        self._values_differ: list[int] = []  # ranks whose parameter values differ from rank 0's (construction)
+        self._verify_same_model(specs, _fingerprint(self._layout.leaves_of(params).values()))
         if strategy == "compiled":
             compiled.process_devices(self.world_size)  # fails early without jax.distributed
         if strategy == "hooked":
@@ -239,18 +243,52 @@ class DistributedDataParallel(DDPCommon):
     def _specs(self, tree) -> list[ParamSpec]:
         return self._layout.specs(tree)
 
-    def _verify_same_model(self, specs: list[ParamSpec]) -> None:
-        """Compare every rank's parameters with rank 0's; name the first differing key path."""
+    def _verify_same_model(self, specs: list[ParamSpec], fingerprint: str | None = None) -> None:
+        """Compare every rank's parameters with rank 0's; name the first differing key path. With a
+        `fingerprint` of the values (construction), remember which ranks' values differ from rank 0's:
+        unless broadcast() makes them equal, the first synchronised step checks again (see
+        `_check_same_values`) -- native DDP broadcasts at construction, a JAX DDP cannot (it owns no
+        parameters), and replicas that start apart never meet."""
         self._issue("model check")
         with watchdog.waiting():
-            everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
-        check_same_specs(everyone, "parameter pytrees differ across ranks", "leaf", "leaves")
+            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], fingerprint])
+        check_same_specs([e[0] for e in everyone], "parameter pytrees differ across ranks", "leaf", "leaves")
+        prints = [e[1] for e in everyone]  # (None from a PyTorch rank, or for abstract parameters: not compared)
+        if None not in prints:
+            self._values_differ = [r for r, f in enumerate(prints) if f != prints[0]]
+
+    def _check_same_values(self, params, traced: bool) -> None:
+        """The first synchronised step, if the parameters differed across ranks at construction and
+        broadcast() was not called: compare them again (eager; a collective every rank issues, the
+        flag being the same everywhere) and refuse to average gradients of different models. Under
+        the caller's jax.jit there are no values to compare: a warning instead."""
+        differ, self._values_differ = self._values_differ, []
+        if not differ or self.world_size == 1:
+            return
+        fix = ("every rank must start from the same parameters: call params = ddp.broadcast(params) once after "
+               "building DistributedDataParallel (native DDP does this at construction), or initialise them from "
+               "the same seed on every rank")
+        if traced:
+            warnings.warn(f"the parameters' values differed across ranks when DistributedDataParallel was built (rank "
+                          f"{', '.join(map(str, differ))} vs rank 0) and broadcast() was not called since; unless "
+                          f"they were made equal since, the replicas train apart: {fix}", RuntimeWarning, stacklevel=3)
+            return
+        mine = _fingerprint(self._layout.leaves_of(params).values())
+        self._issue("parameter values check")
+        with watchdog.waiting():
+            prints = self._comm.allgather_object(mine)
+        apart = [r for r, f in enumerate(prints) if f != prints[0]]
+        if apart:
+            raise ValueError(f"parameter values differ across ranks at the first synchronised step (rank "
+                             f"{', '.join(map(str, apart))} vs rank 0; this is rank {self.rank}): averaging gradients "
+                             f"of different models trains every replica apart. {fix}")
 
     def _broadcast_state(self, params):
         """Rank 0's values of `params` everywhere, bucket by bucket, after agreeing again: the same
         exchange as portddp.torch's _broadcast_state (see portddp.protocol)."""
         # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
         self._verify_same_model(self._specs(params))
+        self._values_differ = []
         leaves = self._layout.leaves_of(params)
         self._issue("broadcast of rank 0's parameters")
         with watchdog.waiting():
@@ -488,6 +526,8 @@ class DistributedDataParallel(DDPCommon):
         def step(static, params, state, batch, sync: bool = True):
             self._check_parameters_unchanged(params)
             traced = taps.traced((params, state, batch))
+            if sync and self._values_differ:
+                self._check_same_values(params, taps.traced(params))
             self._step_count += not traced  # (traced: counted when the program runs, by _begin_iteration)
             if traced and not sync:  # an accumulation step inside the caller's jit: counted when it runs
                 taps.host_call(taps.reporting(self._count_step, self._callback_errors),
@@ -930,6 +970,16 @@ def _reduced_shapes(plan: BucketPlan) -> list:
 _JOINED_OUTSIDE = ("grad_fn got JOINED as the batch outside a step of ddp.uneven() in which some rank has joined: "
                    "pass only what `for batch in ddp.uneven(batches)` yields")
 _END = object()
+
+
+def _fingerprint(leaves) -> str | None:
+    """A digest of the parameters' values (None if some are not concrete: a trace, abstract shapes)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for leaf in leaves:
+        if taps.traced(leaf) or not hasattr(leaf, "__array__"):
+            return None
+        digest.update(np.ascontiguousarray(leaf).view(np.uint8).reshape(-1).data)
+    return digest.hexdigest()
 
 
 def _zeros_like(tree):

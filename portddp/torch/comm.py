@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from portddp.launch import allgather_named
 from portddp.transport import get_transport
 
 __all__ = ["C10dComm", "MPIComm", "make_comm", "TRANSPORTS"]
@@ -38,10 +39,15 @@ class _Comm:
         return torch.zeros(numel, dtype=dtype, device=device)
 
     def broadcast_(self, tensors, src: int = 0) -> None:
-        """Overwrite `tensors` with rank `src`'s values (coalesced per dtype)."""
-        for group in _coalesced([t.detach() for t in tensors]):
+        """Overwrite `tensors` with rank `src`'s values (coalesced per dtype). As native's broadcast,
+        it does not bump their autograd version counters (`.data`, not `.detach()`): a BatchNorm's
+        running stats synchronised before a second forward in one iteration do not invalidate the
+        graph of the first (`z1, z2 = ddp(v1), ddp(v2); loss.backward()`)."""
+        for group in _coalesced([t.data for t in tensors]):
             flat = torch.cat([t.reshape(-1) for t in group])
             self._broadcast_flat(flat, src)
+            if self.rank == src:
+                continue  # the values are this rank's already
             offset = 0
             for t in group:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -82,9 +88,12 @@ class C10dComm(_Comm):
         dist.broadcast(flat, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
 
     def allgather_object(self, obj) -> list:
-        out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        def gather(named):
+            out = [None] * self.size
+            dist.all_gather_object(out, named, group=self.group)
+            return out
+
+        return allgather_named(gather, obj, self.rank)
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -160,7 +169,7 @@ class MPIComm(_Comm):
         self.transport.broadcast(_numpy_view(flat), root=src).wait()
 
     def allgather_object(self, obj) -> list:
-        return self.transport.allgather_object(obj)
+        return allgather_named(self.transport.allgather_object, obj, self.rank)
 
 
 def make_comm(transport: str, process_group=None) -> _Comm:

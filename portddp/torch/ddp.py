@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -251,7 +252,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         specs = self._specs()
 
         if process_group is None:  # (a custom group's members are the caller's business)
-            check_same_config(launch.allgather_object(config.exchanged()))
+            # What changes the collectives each rank issues (a difference would hang, or mix them up).
+            mine = config.exchanged() | {"torch": {
+                "broadcast_buffers/forward_sync_buffers": bool(forward_sync_buffers), "init_sync": bool(init_sync),
+                "find_unused_parameters": bool(find_unused_parameters), "static_graph": self.static_graph}}
+            check_same_config(launch.allgather_object(mine, name="DDP construction: config check"))
         self._comm = make_comm(transport, process_group)
         # What native exposes (scripts pass it to their own collectives); with transport="mpi", the
         # default c10d group if there is one.
@@ -286,8 +291,28 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # a joined rank contributes to the others' (native's _match_unused_params_allreduce).
         self._used_unsynced = bytearray(len(self._params))
         self._used_last = bytes(len(self._params))
+        self._superseded = False  # a newer DistributedDataParallel took over these parameters
+        self._take_over_parameters()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
+
+    def _take_over_parameters(self) -> None:
+        """Wrapping parameters another live DistributedDataParallel wraps (the module wrapped
+        again, the old wrapper not yet freed): the newer one owns them. The older one's hooks are
+        removed -- else a backward through the new wrapper would fire them too -- and using it
+        raises. (A wrapper that was freed left nothing behind: its hooks hold it weakly.)"""
+        me = weakref.ref(self)
+        older = {}
+        for p in self._params:
+            owner = getattr(p, "_portddp_ddp", None)
+            owner = owner() if owner is not None else None
+            if owner is not None and owner is not self and any(q is p for q in owner._params):
+                older[id(owner)] = owner
+            p._portddp_ddp = me
+        for owner in older.values():
+            for handle in owner._hook_handles:
+                handle.remove()
+            owner._superseded = True
 
     # ---- construction
     def _specs(self) -> list[ParamSpec]:
@@ -298,8 +323,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """Compare every rank's parameter list with rank 0's; name the first difference."""
         self._issue("model check")
         with watchdog.waiting():
-            everyone = self._comm.allgather_object([(s.name, s.shape, s.dtype) for s in specs])
-        check_same_specs(everyone, "model mismatch across ranks", "parameter", "trainable parameters")
+            # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
+            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None])
+        check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters")
 
     def _broadcast_state(self, src: int = 0, buffers: bool = True) -> None:
         """Rank `src`'s parameters (bucket by bucket, after agreeing again) and buffers everywhere.
@@ -384,6 +410,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _pre_forward(self, *inputs, **kwargs):
         """Everything before the module runs (kept out of torch.compile's graph: it talks to other ranks)."""
         start = _now()
+        if self._superseded:
+            raise RuntimeError(
+                "this DistributedDataParallel's parameters were wrapped again by a newer DistributedDataParallel, "
+                "which now owns them (their gradient hooks are the newer one's): use the newer wrapper, or call "
+                "this one's module directly (ddp.module(...)) for a forward without DDP")
         self._check_parameters_unchanged()
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._step_count += torch.is_grad_enabled()  # compared across ranks at every reduction
@@ -495,11 +526,18 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         )
 
     def _make_hook(self, i: int):
+        # Weakly: the parameters keep their hooks for as long as they live, and must not keep a
+        # wrapper the script dropped (native's reducer removes its hooks when it is freed).
+        ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if self._sync:
-                self._mark_ready(i, param)
-            elif self.find_unused_parameters:  # under no_sync the gradient simply accumulates in .grad
-                self._used_unsynced[i] = 1
+            ddp = ref()
+            if ddp is None or param.grad is None:  # (None: an output the loss ignores -- unused here)
+                return
+            if ddp._sync:
+                ddp._mark_ready(i, param)
+            elif ddp.find_unused_parameters:  # under no_sync the gradient simply accumulates in .grad
+                ddp._used_unsynced[i] = 1
 
         return hook
 

@@ -52,6 +52,9 @@ class _StaticGraphSink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ddp_ref, *tensors):
         ctx.ddp_ref = ddp_ref
+        # An output the loss does not use gets no gradient (None, not zeros): the parameters that
+        # only it depends on stay unused, .grad None, as in native (whose sink does the same).
+        ctx.set_materialize_grads(False)
         return tuple(t.clone() for t in tensors)
 
     @staticmethod

@@ -147,6 +147,31 @@ def other_containers():
     grad_fn(tuple(params), batch(0))
 
 
+def per_rank_init(strategy, jitted=False):
+    """Every rank initialises its own parameters (another seed) and never calls ddp.broadcast():
+    eager grad_fn refuses to average different models; under the caller's jit, a warning."""
+    import warnings  # noqa: PLC0415
+
+    params = jax.tree.map(lambda x: x + WORLD.rank, init_params())
+    grad_fn = DistributedDataParallel(params, strategy=strategy).value_and_grad(loss_fn)
+    if not jitted:
+        grad_fn(params, batch(0))
+        return "no error"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(grad_fn)(params, batch(0))
+    return "warned: " + "; ".join(str(w.message) for w in caught if w.category is RuntimeWarning)
+
+
+def broadcast_then_step():
+    """The same per-rank initialisation, then ddp.broadcast(): legal, no extra check."""
+    params = jax.tree.map(lambda x: x + WORLD.rank, init_params())
+    ddp = DistributedDataParallel(params)
+    params = ddp.broadcast(params)
+    loss, _ = ddp.value_and_grad(loss_fn)(params, batch(0))
+    return f"loss={float(loss):.3f}"
+
+
 def with_hook(hook):
     params = init_params()
     ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
@@ -178,6 +203,10 @@ CASES = {
     "other_shapes_compiled": lambda: other_shapes("compiled"),
     "other_dtype_hooked": other_dtype,
     "reduce_inside_jit": reduce_inside_jit,
+    "per_rank_init_hooked": lambda: per_rank_init("hooked"),
+    "per_rank_init_compiled": lambda: per_rank_init("compiled"),
+    "per_rank_init_jitted": lambda: per_rank_init("hooked", jitted=True),
+    "broadcast_then_step": broadcast_then_step,
     "model_grew": model_grew,
     "other_containers": other_containers,
     "hook_not_a_handle": lambda: with_hook(not_a_handle),

@@ -88,6 +88,9 @@ def run(case: str, transport: str) -> None:
         DistributedDataParallel(model.double() if last else model, transport=transport)
     elif case == "cap_differs":
         DistributedDataParallel(nn.Linear(4, 4), bucket_cap_mb=5.0 if last else 25.0, transport=transport)
+    elif case == "buffers_flag_differs":  # the buffer broadcast before every forward, on one rank only
+        DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), broadcast_buffers=not last,
+                                transport=transport)
     elif case == "transport_differs":
         DistributedDataParallel(nn.Linear(4, 4), transport="mpi" if last else "c10d")
     elif case == "sparse_gradient":
@@ -193,6 +196,18 @@ def run(case: str, transport: str) -> None:
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
         for _ in range(2 if last else 3):
             ddp(torch.ones(2, 4)).sum().backward()
+    elif case == "exit_before_construction":  # the last rank's script ends before it builds its DDP
+        if last:
+            sys.exit(0)
+        DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+    elif case == "exit_before_checkpoint":  # every rank trains; the last skips the collective save
+        from portddp import checkpoint  # noqa: PLC0415
+
+        ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport)
+        for _ in range(2):
+            ddp(torch.ones(2, 4)).sum().backward()
+        if not last:
+            checkpoint.save(os.environ["PORTDDP_TEST_DIR"] + "/ckpt", ddp, step=2, collective=True)
     elif case == "rank0_only_eval":  # the native idiom `if rank == 0: evaluate`, through the wrapper
         model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
         ddp = DistributedDataParallel(model, transport=transport)

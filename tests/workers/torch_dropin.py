@@ -229,6 +229,18 @@ def buffer_sync(transport):
                                         "find_unused_parameters": find_unused})
             compare(f"buffers_b{int(broadcast)}_u{int(find_unused)}", transport, native, ours, train)
 
+    def two_views(ddp):  # SimCLR's step: two forwards (buffers synchronised before each), one backward
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        rank = dist.get_rank()
+        for step in range(3):
+            (x, _), (y, _) = batch(2 * step, rank), batch(2 * step + 1, rank)
+            z1, z2 = ddp(x), ddp(y)
+            opt.zero_grad()
+            (z1 - z2).square().mean().backward()
+            opt.step()
+    native, ours = pair(transport, model_kw={"batchnorm": True}, ddp_kw={"bucket_cap_mb": CAP_MB})
+    compare("buffers_two_forwards", transport, native, ours, two_views)
+
 
 def nosync_unused(transport):
     """find_unused_parameters + no_sync() accumulation, as a mixture of experts trains: the branch
@@ -274,6 +286,62 @@ def static_graph_checkpoint(transport):
     compare("static_graph_checkpoint", transport, native, ours, sgd_steps(4))
 
 
+class TwoHeads(nn.Module):
+    """Returns two outputs; the scripts below put only the first in the loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(99)
+        self.body, self.a, self.b = nn.Linear(IN, 32), nn.Linear(32, OUT), nn.Linear(32, OUT)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.a(h), self.b(h)
+
+
+def static_graph_ignored_output(transport):
+    """static_graph=True, an output the loss ignores: its head gets no gradient (.grad None), so AdamW's
+    weight decay leaves it alone. Compared with native's find_unused_parameters=True: native's own
+    static_graph leaves the second iteration unreduced (local gradients, silently) and raises at the
+    third -- a difference README lists."""
+    def train(ddp):
+        opt = torch.optim.AdamW(ddp.parameters(), lr=0.05, weight_decay=0.1)
+        for step in range(3):
+            x, y = batch(step, dist.get_rank())
+            first, _ = ddp(x)
+            opt.zero_grad()
+            nn.functional.mse_loss(first, y).backward()
+            opt.step()
+    native = NativeDDP(TwoHeads(), bucket_cap_mb=CAP_MB, find_unused_parameters=True)
+    ours = DistributedDataParallel(TwoHeads(), bucket_cap_mb=CAP_MB, static_graph=True, transport=transport)
+    compare("static_graph_ignored_output", transport, native, ours, train,
+            grad_none=ours.module.b.weight.grad is None and native.module.b.weight.grad is None)
+
+
+def rewrap(transport):
+    """The module wrapped again (the old wrapper dropped, or still referenced): the new wrapper trains
+    as native's does, the old one's hooks are gone (they used to fire on every later backward), and
+    using the old one raises."""
+    def train(ddp_class, model, **kw):
+        keep = []
+        for phase in range(2):
+            ddp = ddp_class(model, bucket_cap_mb=CAP_MB, **kw)
+            keep.append(ddp)  # phase 0's wrapper stays alive: superseded, not freed
+            sgd_steps(2)(ddp)
+        return keep
+    models = [make(), make()]
+    train(NativeDDP, models[0])
+    old, _new = train(DistributedDataParallel, models[1], transport=transport)
+    try:
+        old(batch(0, dist.get_rank())[0])
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    diff, equal = max_diff(models[0], models[1])
+    report(f"rewrap/{transport}", max_diff=diff, bitwise=equal,
+           old_refused=refused.startswith("this DistributedDataParallel's parameters were wrapped again"))
+
+
 def init_and_delay(transport):
     """init_sync=False, forward_sync_buffers=False, delay_all_reduce_named_params."""
     def skew(model):  # ranks start different: init_sync=False must keep it that way
@@ -302,7 +370,7 @@ def uneven_effective_world(transport):
 
 SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
-             static_graph_checkpoint, init_and_delay]
+             static_graph_checkpoint, static_graph_ignored_output, rewrap, init_and_delay]
 
 
 def main():
