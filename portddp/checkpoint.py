@@ -460,6 +460,7 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
                 raise CheckpointError(f"{used} holds no optimizer state (it was saved without optimizer=)")
             optimizer.load_state_dict(payload["optimizer"])
         return Checkpoint(step=payload["step"], extra=payload["extra"], path=used, rng_restored=restored)
+    ddp._values_differ = []  # every rank loaded the same parameters (no need to compare them again)
     return Checkpoint(step=payload["step"], params=payload["params"], opt_state=payload["opt_state"],
                       extra=payload["extra"], path=used, rng_restored=restored)
 

@@ -77,7 +77,7 @@ import time
 from contextlib import nullcontext
 
 __all__ = ["EXIT_CODE", "Watchdog", "collective", "current", "listen", "pid_alive", "start", "stall_report", "step_started",
-           "step_finished", "waiting"]
+           "step_finished", "subgroups_in_use", "waiting"]
 
 EXIT_CODE = 70
 """The exit status of a rank that stopped because another rank was lost (EX_SOFTWARE)."""
@@ -259,6 +259,13 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
     return "\n".join([head, *table])
 
 
+def subgroups_in_use() -> None:
+    """A DDP runs over a process subgroup: this process's iteration and collective counts then mix
+    groups, so a peer's departure is no longer judged from them (the stall inspector still runs)."""
+    if _ACTIVE is not None:
+        _ACTIVE.subgroups_in_use()
+
+
 def step_started() -> None:
     """A DDP iteration (its collectives) begins on this rank: stop now if a peer already left
     before reaching it."""
@@ -334,6 +341,7 @@ class Watchdog:
         self._departed: dict[int, int] = {}  # rank -> synchronised iterations it finished before leaving
         self._departed_seq: dict[int, tuple[int, str]] = {}  # rank -> (collectives issued, the last one's name)
         self._departed_at: dict[int, float] = {}
+        self._subgroups = False  # DDPs over process subgroups: departures are judged by the stall inspector
         self._grace_s = float(os.environ.get("PORTDDP_EARLY_EXIT_GRACE_S", 5.0))
         # The stall inspector: the inspection under way (answers by rank, deadline), the wait already
         # reported (its start time), and when to inspect alone if the inspecting rank stays silent.
@@ -463,6 +471,8 @@ class Watchdog:
                 bye = json.loads(text)
             except ValueError:
                 bye = {}
+            if not isinstance(bye, dict):  # (a bare count: an older portddp)
+                bye = {"iterations": bye if isinstance(bye, int) else 0}
             self._departed[r] = int(bye.get("iterations", 0))
             self._departed_seq[r] = int(bye.get("seq", 0)), str(bye.get("last", ""))
             self._departed_at[r] = time.monotonic()
@@ -474,13 +484,14 @@ class Watchdog:
         return f"{self._who(r)} is gone" if closed else None
 
     def explain(self, error: Exception) -> str | None:
-        """(Main thread.) A collective this rank waited in raised `error`: if it is the echo of a peer
+        """(The thread that waited: main, autograd's or a JAX host callback's.) A collective this rank waited in raised `error`: if it is the echo of a peer
         that left early (Gloo's "Connection closed by peer" once a rank whose loop ended one batch
         early has exited), the reason to raise instead, naming that rank; else None. Its goodbye
         travels on another socket: a connection error waits for it up to half a second."""
         text = str(error)
-        lost = any(w in text for w in ("Connection closed", "Connection reset", "Broken pipe", "closed by peer"))
-        deadline = time.monotonic() + (0.5 if lost else 0.0)
+        if self._subgroups or not any(w in text for w in ("Connection closed", "Connection reset", "Broken pipe")):
+            return None  # an error of its own (every rank may raise it): not a peer's departure to judge
+        deadline = time.monotonic() + 0.5
         while True:
             for r in list(self._departed):
                 why = self._left_early(r, waited=True)
@@ -490,11 +501,16 @@ class Watchdog:
                 return None
             time.sleep(0.02)
 
+    def subgroups_in_use(self) -> None:
+        self._subgroups = True
+
     def _left_early(self, r: int, waited: bool = False) -> str | None:
         """The loss to report if rank r, gone, is needed by what this rank does: the DDP iteration under
         way here (one it never reached), or any other collective of portddp's this rank waits in that
         rank r never issued (a model check at construction, a checkpoint save, a buffer broadcast).
         `waited`: this rank's last wait just failed (else: it must be waiting now, for a while)."""
+        if self._subgroups:  # a rank done with its own group may leave while others train on in theirs
+            return None
         done = self._departed[r]
         left = (f"{self._who(r)} left without an error (its script returned or called sys.exit) after {done} "
                 "synchronised iteration(s)")

@@ -121,6 +121,10 @@ class GradBucket:
         return self._comm.allreduce(tensor)
 
 
+_OWNERS: "weakref.WeakValueDictionary[int, DistributedDataParallel]" = weakref.WeakValueDictionary()
+"""id(parameter) -> the live wrapper whose gradient hooks it carries."""
+
+
 class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     """Data parallelism by gradient averaging with communication overlapped with backward.
 
@@ -258,6 +262,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 "find_unused_parameters": bool(find_unused_parameters), "static_graph": self.static_graph}}
             check_same_config(launch.allgather_object(mine, name="DDP construction: config check"))
         self._comm = make_comm(transport, process_group)
+        if process_group is not None:
+            watchdog.subgroups_in_use()  # a rank leaving may be done with its group only
         # What native exposes (scripts pass it to their own collectives); with transport="mpi", the
         # default c10d group if there is one.
         self.process_group = process_group if process_group is not None else (
@@ -300,16 +306,18 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """Wrapping parameters another live DistributedDataParallel wraps (the module wrapped
         again, the old wrapper not yet freed): the newer one owns them. The older one's hooks are
         removed -- else a backward through the new wrapper would fire them too -- and using it
-        raises. (A wrapper that was freed left nothing behind: its hooks hold it weakly.)"""
-        me = weakref.ref(self)
-        older = {}
+        raises. (A wrapper that was freed left nothing behind: its hooks hold it weakly.) The
+        owners are kept in a module-level weak map, not on the parameters, which must stay
+        picklable (torch.save(module))."""
+        older: dict[int, tuple] = {}  # id(owner) -> (owner, the ids of its parameters)
         for p in self._params:
-            owner = getattr(p, "_portddp_ddp", None)
-            owner = owner() if owner is not None else None
-            if owner is not None and owner is not self and any(q is p for q in owner._params):
-                older[id(owner)] = owner
-            p._portddp_ddp = me
-        for owner in older.values():
+            owner = _OWNERS.get(id(p))
+            if owner is not None and owner is not self:
+                ids = older[id(owner)][1] if id(owner) in older else {id(q) for q in owner._params}
+                if id(p) in ids:  # (else an id reused by another tensor: not the owner's)
+                    older[id(owner)] = owner, ids
+            _OWNERS[id(p)] = self
+        for owner, _ in older.values():
             for handle in owner._hook_handles:
                 handle.remove()
             owner._superseded = True
@@ -532,8 +540,13 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
 
         def hook(param: torch.Tensor) -> None:
             ddp = ref()
-            if ddp is None or param.grad is None:  # (None: an output the loss ignores -- unused here)
+            if ddp is None:
                 return
+            if param.grad is None:  # an undefined gradient (e.g. from an output the loss ignores): native's
+                # rule -- not used, with find_unused_parameters or static_graph (its .grad stays None);
+                # else a zero gradient, reduced with the others'
+                if ddp.find_unused_parameters or ddp.static_graph or not ddp._sync:
+                    return
             if ddp._sync:
                 ddp._mark_ready(i, param)
             elif ddp.find_unused_parameters:  # under no_sync the gradient simply accumulates in .grad
@@ -559,7 +572,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if not self._rebuilt:
             self._ready_order.append(i)
         self._events.backward_end_ns = now
-        if self.check_finite and not bool(torch.isfinite(param.grad).all()):
+        if self.check_finite and param.grad is not None and not bool(torch.isfinite(param.grad).all()):
             self._nonfinite[i] = 1
         self._pack(i, param)
         b = self._bucket_of[i]
@@ -572,6 +585,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _pack(self, i: int, param: torch.Tensor) -> None:
         """Put param i's gradient in its bucket slot, divided unless a hook will divide."""
         grad, view = param.grad, self._views[i]
+        if grad is None:  # an undefined gradient, counted as zeros (see _make_hook)
+            view.zero_()
+            return
         if grad.requires_grad:  # backward(create_graph=True)
             grad = self._first_order(i, grad)
         if grad.layout != torch.strided:
@@ -767,6 +783,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self._hook is not None:  # the order of _finalize
             futures = [fut.wait() for fut in futures] and []
         if self._delayed:
+            self._issue("delayed parameters")  # (as the training ranks' _launch_delayed: the same count)
             futures.append(self._comm.allreduce(torch.zeros(sum(p.numel() for _, p in self._delayed),
                                                             dtype=self._delayed[0][1].dtype)))
         self._iterations += 1

@@ -53,10 +53,13 @@ def pair(transport, model_kw=None, ddp_args=(), ddp_kw=None, edit=None):
 
 
 def compare(name, transport, native, ours, train, **extra):
+    """Train both, report the largest difference; `extra` fields that are callables are evaluated
+    after the training."""
     train(native)
     train(ours)
     diff, equal = max_diff(native.module, ours.module)
-    report(f"{name}/{transport}", max_diff=diff, bitwise=equal, **extra)
+    report(f"{name}/{transport}", max_diff=diff, bitwise=equal,
+           **{k: v() if callable(v) else v for k, v in extra.items()})
 
 
 def sgd_steps(steps=4, **kw):
@@ -315,7 +318,47 @@ def static_graph_ignored_output(transport):
     native = NativeDDP(TwoHeads(), bucket_cap_mb=CAP_MB, find_unused_parameters=True)
     ours = DistributedDataParallel(TwoHeads(), bucket_cap_mb=CAP_MB, static_graph=True, transport=transport)
     compare("static_graph_ignored_output", transport, native, ours, train,
-            grad_none=ours.module.b.weight.grad is None and native.module.b.weight.grad is None)
+            grad_as_native=lambda: ours.module.b.weight.grad is None and native.module.b.weight.grad is None)
+
+
+class _Cut(torch.autograd.Function):
+    """Identity forward; backward returns no gradient (None): the layers below get undefined ones."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+class CutBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(98)
+        self.body, self.a = nn.Linear(IN, 32), nn.Linear(32, OUT)
+
+    def forward(self, x):
+        return self.a(_Cut.apply(torch.relu(self.body(x))))
+
+
+def undefined_grad(transport):
+    """Gradient hooks that fire with an undefined gradient (a custom Function returning None), without
+    find_unused_parameters: native reduces them as zeros and writes the zeros into .grad; so does portddp."""
+    native = NativeDDP(CutBody(), bucket_cap_mb=CAP_MB)
+    ours = DistributedDataParallel(CutBody(), bucket_cap_mb=CAP_MB, transport=transport)
+
+    def train(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(3):
+            x, y = batch(step, dist.get_rank())
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+    compare("undefined_grad", transport, native, ours, train,
+            grad_as_native=lambda: (ours.module.body.weight.grad is not None
+                                    and native.module.body.weight.grad is not None))
 
 
 def rewrap(transport):
@@ -338,6 +381,9 @@ def rewrap(transport):
     except RuntimeError as e:
         refused = str(e)
     diff, equal = max_diff(models[0], models[1])
+    import io  # noqa: PLC0415
+
+    torch.save(models[1], io.BytesIO())  # the wrapped module stays picklable (nothing of portddp's on it)
     report(f"rewrap/{transport}", max_diff=diff, bitwise=equal,
            old_refused=refused.startswith("this DistributedDataParallel's parameters were wrapped again"))
 
@@ -370,7 +416,7 @@ def uneven_effective_world(transport):
 
 SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
-             static_graph_checkpoint, static_graph_ignored_output, rewrap, init_and_delay]
+             static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay]
 
 
 def main():
