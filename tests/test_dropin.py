@@ -134,11 +134,11 @@ def test_a_rank_that_stops_one_batch_early_stops_every_rank_naming_it(transport)
 def test_a_rank_that_ends_before_a_collective_outside_backward_stops_every_rank_at_once(transport, case, where,
                                                                                         tmp_path):
     """Not only iterations: a rank whose script ends (exit code 0) before the others' DDP construction or
-    collective checkpoint save stops them after the grace period (5 s), not after the stall inspector's
-    240 s."""
+    collective checkpoint save stops them after the grace period (5 s by default, 1 here), not after the
+    stall inspector's 240 s."""
     start = time.monotonic()
     proc = mpi.run(3, "tests.workers.torch_bad_input", case, transport, timeout=60,
-                   env={"PORTDDP_TEST_DIR": str(tmp_path)})
+                   env={"PORTDDP_TEST_DIR": str(tmp_path), "PORTDDP_EARLY_EXIT_GRACE_S": "1"})
     assert proc.returncode != 0 and time.monotonic() - start < 45, proc.stderr[-3000:]
     for r in (0, 1):
         assert re.search(rf"rank 2 \(pid \d+ on .*\) left without an error .* after \d+ synchronised iteration\(s\) "
