@@ -88,6 +88,17 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
     for r, theirs in enumerate(everyone[1:], start=1):
         for k, (a, b) in enumerate(zip(ref, theirs)):
             if tuple(a) != tuple(b):
+                ours, others = [s[0] for s in ref], [s[0] for s in theirs]
+                only_ref = [n for n in ours if n not in set(others)]
+                only_theirs = [n for n in others if n not in set(ours)]
+                if "trainable" in items and a[0] != b[0] and bool(only_ref) != bool(only_theirs):
+                    # One rank's trainable parameters are the other's minus some: frozen there.
+                    raise ValueError(
+                        f"{what}: rank 0 and rank {r} wrap different {items}: {_names(only_ref)} only on rank 0, "
+                        f"{_names(only_theirs)} only on rank {r}; a parameter set to requires_grad=False on some "
+                        "ranks only is left out of their plans. Every rank must build the same model and freeze "
+                        "the same parameters before wrapping it"
+                    )
                 raise ValueError(
                     f"{what}: {item} #{k} is {_show(a)} on rank 0 but {_show(b)} on rank {r}; every rank must "
                     "build the same model before wrapping it"
@@ -99,6 +110,13 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
                 f"{r_long} has is {_name(longer[min(len(ref), len(theirs))][0])}. Every rank must build the same "
                 "model before wrapping it"
             )
+
+
+def _names(names: list, most: int = 5) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(_name(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _name(name: str) -> str:
