@@ -89,8 +89,9 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
         for k, (a, b) in enumerate(zip(ref, theirs)):
             if tuple(a) != tuple(b):
                 ours, others = [s[0] for s in ref], [s[0] for s in theirs]
-                only_ref = [n for n in ours if n not in set(others)]
-                only_theirs = [n for n in others if n not in set(ours)]
+                ours_set, others_set = set(ours), set(others)
+                only_ref = [n for n in ours if n not in others_set]
+                only_theirs = [n for n in others if n not in ours_set]
                 if "trainable" in items and a[0] != b[0] and bool(only_ref) != bool(only_theirs):
                     # One rank's trainable parameters are the other's minus some: frozen there.
                     raise ValueError(

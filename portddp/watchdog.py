@@ -76,8 +76,8 @@ import threading
 import time
 from contextlib import nullcontext
 
-__all__ = ["EXIT_CODE", "Watchdog", "collective", "current", "listen", "pid_alive", "start", "stall_report", "step_started",
-           "step_finished", "subgroups_in_use", "waiting"]
+__all__ = ["EXIT_CODE", "Watchdog", "collective", "current", "listen", "pid_alive", "start", "stall_report",
+           "step_started", "step_finished", "subgroups_in_use", "waiting"]
 
 EXIT_CODE = 70
 """The exit status of a rank that stopped because another rank was lost (EX_SOFTWARE)."""
@@ -338,8 +338,8 @@ class Watchdog:
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending = {r: b"" for r in self.socks}
-        self._departed: dict[int, int] = {}  # rank -> synchronised iterations it finished before leaving
-        self._departed_seq: dict[int, tuple[int, str]] = {}  # rank -> (collectives issued, the last one's name)
+        # rank -> (synchronised iterations it finished, collectives it issued, the last one's name) at leaving
+        self._departed: dict[int, tuple[int, int | None, str]] = {}
         self._departed_at: dict[int, float] = {}
         self._subgroups = False  # DDPs over process subgroups: departures are judged by the stall inspector
         self._grace_s = float(os.environ.get("PORTDDP_EARLY_EXIT_GRACE_S", 5.0))
@@ -473,8 +473,9 @@ class Watchdog:
                 bye = {}
             if not isinstance(bye, dict):  # (a bare count: an older portddp)
                 bye = {"iterations": bye if isinstance(bye, int) else 0}
-            self._departed[r] = int(bye.get("iterations", 0))
-            self._departed_seq[r] = int(bye.get("seq", 0)), str(bye.get("last", ""))
+            seq = bye.get("seq")  # (None from an older portddp: its collectives are not judged)
+            self._departed[r] = (int(bye.get("iterations", 0)), None if seq is None else int(seq),
+                                 str(bye.get("last", "")))
             self._departed_at[r] = time.monotonic()
             return ""
         if kind == _FAILED:
@@ -484,8 +485,8 @@ class Watchdog:
         return f"{self._who(r)} is gone" if closed else None
 
     def explain(self, error: Exception) -> str | None:
-        """(The thread that waited: main, autograd's or a JAX host callback's.) A collective this rank waited in raised `error`: if it is the echo of a peer
-        that left early (Gloo's "Connection closed by peer" once a rank whose loop ended one batch
+        """(The thread that waited: main, autograd's or a JAX host callback's.) A collective this rank
+        waited in raised `error`: if it is the echo of a peer that left early (Gloo's "Connection closed by peer" once a rank whose loop ended one batch
         early has exited), the reason to raise instead, naming that rank; else None. Its goodbye
         travels on another socket: a connection error waits for it up to half a second."""
         text = str(error)
@@ -511,14 +512,13 @@ class Watchdog:
         `waited`: this rank's last wait just failed (else: it must be waiting now, for a while)."""
         if self._subgroups:  # a rank done with its own group may leave while others train on in theirs
             return None
-        done = self._departed[r]
+        done, seq, last = self._departed[r]
         left = (f"{self._who(r)} left without an error (its script returned or called sys.exit) after {done} "
                 "synchronised iteration(s)")
         if _STEPS.busy and _STEPS.completed >= done:
             where = f"this rank is in iteration {_STEPS.completed + 1}, whose collectives need every rank"
         else:
             p = _PROGRESS
-            seq, last = self._departed_seq.get(r, (None, ""))
             since = p.waiting_since
             waiting = waited or (since is not None and time.monotonic() - since >= _LEFT_WAIT_S)
             if seq is None or not waiting or p.seq <= seq:
@@ -576,7 +576,8 @@ class Watchdog:
         answers = self._inspection["answers"]
         self._inspection = None
         states = {r: answers.get(r) for r in [self.rank, *self.socks]}
-        report = stall_report(states, self.stall_s, self._who_short, self._departed)
+        report = stall_report(states, self.stall_s, self._who_short,
+                              {r: done for r, (done, _, _) in self._departed.items()})
         if report is not None:
             self._exit(report)
 
