@@ -59,13 +59,19 @@ __all__ = ["buffer_sync_header", "check_buffer_sync_header", "check_same_config"
            "check_same_specs", "hook_result_error", "nonfinite_error", "unused_parameters_error"]
 
 
+_FRAMEWORKS = ("torch", "jax")  # keys of the arguments only one framework's DDP has
+
+
 def check_same_config(everyone: Sequence[dict]) -> None:
     """Raise on every rank if any rank's DDP arguments (bucket caps, transport) differ from rank 0's.
-    The arguments only one framework has (under the key "torch": broadcast_buffers, ...) are
-    compared among the ranks that send them (a job may mix PyTorch and JAX ranks)."""
+    The arguments only one framework has (under the key "torch" or "jax": broadcast_buffers, ...)
+    are compared among the ranks that send them (a job may mix PyTorch and JAX ranks)."""
     def flat(d, other):
-        own = d.get("torch") if "torch" in other else {}
-        return {**{k: v for k, v in d.items() if k != "torch"}, **(own or {})}
+        out = {k: v for k, v in d.items() if k not in _FRAMEWORKS}
+        for fw in _FRAMEWORKS:
+            if fw in d and fw in other:
+                out.update(d[fw])
+        return out
 
     for r, theirs in enumerate(everyone[1:], start=1):
         ref, theirs = flat(everyone[0], theirs), flat(theirs, everyone[0])

@@ -52,6 +52,10 @@ def test_framework_only_arguments_are_compared_among_the_ranks_of_that_framework
     check_same_config([CONFIG | torch_args, CONFIG, CONFIG | torch_args])  # rank 1 is a JAX rank
     with pytest.raises(ValueError, match="broadcast_buffers/forward_sync_buffers is True on rank 0 but False on rank 2"):
         check_same_config([CONFIG | torch_args, CONFIG, CONFIG | {"torch": {"broadcast_buffers/forward_sync_buffers": False}}])
+    jax_args = {"jax": {"broadcast_buffers": True}}
+    check_same_config([CONFIG | torch_args, CONFIG | jax_args])  # a mixed job: nothing framework-only in common
+    with pytest.raises(ValueError, match="broadcast_buffers is True on rank 0 but False on rank 1"):
+        check_same_config([CONFIG | jax_args, CONFIG | {"jax": {"broadcast_buffers": False}}])
 
 
 # ---- check_same_specs

@@ -206,9 +206,10 @@ class DistributedDataParallel(DDPCommon):
         specs = self._specs(params)
 
         if strategy != "pmap":  # (pmap: one process, nobody to compare with)
-            check_same_config(launch.allgather_object(config.exchanged(
-                transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})"),
-                name="DDP construction: config check"))
+            mine = config.exchanged(transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})")
+            # (as portddp.torch's: what changes the collectives each rank issues)
+            mine["jax"] = {"broadcast_buffers": bool(broadcast_buffers)}
+            check_same_config(launch.allgather_object(mine, name="DDP construction: config check"))
         self._comm = make_comm(strategy, pmap_devices)
         self.world_size = self._comm.size
         self.rank = self._comm.rank
