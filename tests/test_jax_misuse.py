@@ -15,6 +15,8 @@ from tests import mpi
 VMAP = r"cannot run under jax\.vmap: .* Call grad_fn once per step on this rank's whole batch"
 TRACED = (r"strategy='compiled' runs its own program .* cannot be traced into your {} over this process's arrays: "
           r"call grad_fn outside any transformation .* or use strategy='hooked'")
+STEPS = (r"RuntimeError: ranks reached this gradient reduction at different steps \(rank 0 at step {}, rank 1 at "
+         r"step {}; this is rank \d;.*sync=False on some ranks only")
 CASES = {
     "hooked_under_scan": r"OK max_rel=",
     "accumulate_inside_jit": r"OK steps=3$",
@@ -34,6 +36,9 @@ CASES = {
     "per_rank_init_jitted": r"OK warned: the parameters' values differed across ranks when DistributedDataParallel "
                             r"was built \(rank 1 vs rank 0\) and broadcast\(\) was not called",
     "broadcast_then_step": r"OK loss=",
+    **{f"local_step_on_one_rank_{kind}": STEPS.format(*steps) for kind, steps in
+       (("hooked", (3, 2)), ("compiled", (3, 2)), ("compiled_reduce", (3, 2)))},
+    "same_local_steps_compiled": r"OK steps=2 max_abs=",
     "model_grew": r"ValueError: pytree differs from the one DistributedDataParallel was built with: 2 leaves it was "
                   r"not built with: \['l3'\]\['bias'\].*, \['l3'\]\['kernel'\].*\. The bucket plan .* build a new one",
     "other_containers": r"ValueError: pytree structure differs .* same paths .*: got PyTreeDef\(\(\*, \*\)\), expected "

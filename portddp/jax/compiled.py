@@ -16,6 +16,12 @@ run out, every process runs a variant of the step that takes one more input,
 this process's weight (1, or 0 for a joined rank, which feeds zeros shaped like
 the others' batch), and zeroes the gradients of weight 0 before the psums --
 one program, the same collectives, on every process.
+
+Step counts ("compiled"): every call takes this process's step count (grad_fn calls so far,
+sync=False ones included) as one more input and all-gathers it inside the program, beside the
+bucket psums; the caller compares the gathered counts (portddp.protocol.check_same_step), so
+that a sync=False step on some ranks only -- which from then on pairs one rank's step k+1 with
+the others' step k in every psum -- fails on every rank instead of training on silently.
 """
 
 from __future__ import annotations
@@ -128,7 +134,8 @@ def _data_as_keys(tree, impls: tuple):
 
 
 def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, broadcast_buffers: bool) -> Step:
-    """`(static, params, state, batch, scale=None) -> (loss, aux, new_state, mean grads)` with XLA
+    """`(static, params, state, batch, scale=None, steps=0) -> (loss, aux, new_state, mean grads,
+    every process's step count (None for pmap))` with XLA
     scheduling the bucket psums, for `fn(static, params, state, batch) -> (loss, (aux, new_state))`
     (see DistributedDataParallel._grad_step). `state` is per rank: "compiled" passes it as
     one row per process, and with broadcast_buffers its buffers (`state[0]`) become rank 0's
@@ -136,7 +143,7 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
     keeps the first device's result (one process: its buffers are rank 0's already)."""
     reduced, hlo = _reducer(plan, layout, world), {}
 
-    def per_shard(static, impls, params, state, batch, scale=None):
+    def per_shard(static, impls, params, state, batch, steps=None, scale=None):
         if strategy == "compiled":
             state = jax.tree.map(lambda x: x[0], state)  # this process's row
         state = _data_as_keys(state, impls)
@@ -153,12 +160,12 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
         if strategy == "pmap":
             return jax.lax.pmean(loss, DATA_AXIS), aux, new_state, reduced(grads)
         rows = jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, aux, new_state))
-        return (*rows, reduced(grads))
+        return (*rows, jax.lax.all_gather(steps[0], DATA_AXIS), reduced(grads))
 
     programs: dict = {}  # per (static, impls[, weighted]): the compiled program
 
     if strategy == "pmap":
-        def step(static, params, state, batch, scale=None):  # noqa: ARG001 -- one process never joins
+        def step(static, params, state, batch, scale=None, steps=0):  # noqa: ARG001 -- one process: no joins, one count
             state = () if state is None else state
             impls = _key_impls(state)
             fn_ = programs.get((static, impls))
@@ -174,7 +181,7 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
                 hlo.update(hlo_facts(fn_.lower((params, state_data), split).compile().as_text()))
             loss, aux, new_state, grads = fn_((params, state_data), split)
             first = lambda tree: jax.tree.map(lambda g: g[0], tree)  # noqa: E731
-            return loss[0], first(aux), _data_as_keys(first(new_state), impls), first(grads)
+            return loss[0], first(aux), _data_as_keys(first(new_state), impls), first(grads), None
 
         return Step(step, hlo)
 
@@ -182,9 +189,10 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
 
-    def step(static, params, state, batch, scale=None):
+    def step(static, params, state, batch, scale=None, steps: int = 0):
         """`scale` (ddp.uneven() while some rank has joined): this process's weight, 1 or 0 (joined);
-        every process then runs the weighted program, which zeroes a joined rank's gradients."""
+        every process then runs the weighted program, which zeroes a joined rank's gradients.
+        `steps`: this process's step count; the result's last item holds every process's."""
         state = () if state is None else state
         impls = _key_impls(state)
         weighted = scale is not None
@@ -193,26 +201,31 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
             # check_vma=False: with it, JAX would psum the gradients of the replicated
             # params by itself; we want exactly one psum per bucket, ours.
             fn_ = programs[static, impls, weighted] = jax.jit(jax.shard_map(
-                lambda p, s, b, *w: per_shard(static, impls, p, s, b, *w), mesh=mesh,
-                in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS)) + ((P(DATA_AXIS),) if weighted else ()),
-                out_specs=(P(DATA_AXIS),) * 3 + (P(),), check_vma=False))
+                lambda p, s, b, n, *w: per_shard(static, impls, p, s, b, n, *w), mesh=mesh,
+                in_specs=(P(), P(DATA_AXIS), P(DATA_AXIS), P(DATA_AXIS)) + ((P(DATA_AXIS),) if weighted else ()),
+                out_specs=(P(DATA_AXIS),) * 3 + (P(), P()), check_vma=False))
         # Every process holds the same params: together they are one replicated global array.
         gparams = jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
             np.shape(x), replicated, [jax.device_put(x, mine)]), params)
         gbatch = jax.tree.map(lambda x: _process_rows(sharded, x, "batch"), batch)
         gstate = jax.tree.map(lambda x: _process_rows(sharded, np.asarray(x)[None], "state"),
                               _keys_as_data(state, impls))
-        args = (gparams, gstate, gbatch)
+        args = (gparams, gstate, gbatch, _process_rows(sharded, np.asarray([steps], np.int32), "steps"))
         if weighted:
             args += (_process_rows(sharded, np.asarray([scale], np.float32), "scale"),)
         if not hlo:
             hlo.update(hlo_facts(fn_.lower(*args).compile().as_text()))
-        loss, aux, new_state, grads = fn_(*args)
+        loss, aux, new_state, counts, grads = fn_(*args)
         mine_ = lambda tree: jax.tree.map(lambda g: g.addressable_data(0)[0], tree)  # noqa: E731
         return (loss.addressable_data(0)[0], mine_(aux), _data_as_keys(mine_(new_state), impls),
-                jax.tree.map(lambda g: g.addressable_data(0), grads))
+                jax.tree.map(lambda g: g.addressable_data(0), grads), _counts(counts))
 
     return Step(step, hlo)
+
+
+def _counts(gathered) -> list[int]:
+    """Every process's step count, from the all-gather a compiled program returns."""
+    return np.asarray(gathered.addressable_data(0)).tolist()
 
 
 def _process_rows(sharding, x, what: str):
@@ -230,26 +243,29 @@ def _process_rows(sharding, x, what: str):
 
 
 def make_reduce(strategy: str, plan: BucketPlan, layout: Layout, world: int):
-    """grads -> mean over ranks, bucket by bucket, as a compiled step."""
+    """`(grads, steps=0) -> (mean over ranks, every process's step count (None for pmap))`,
+    bucket by bucket, as a compiled step."""
     reduced = _reducer(plan, layout, world)
     if strategy == "pmap":
         # One process: every device already holds the same accumulated gradients.
         n = world
         fn = jax.pmap(reduced, axis_name=DATA_AXIS, devices=jax.local_devices()[:n])
-        return lambda grads: jax.tree.map(lambda g: g[0], fn(jax.tree.map(
-            lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), grads)))
+        return lambda grads, steps=0: (jax.tree.map(lambda g: g[0], fn(jax.tree.map(
+            lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), grads))), None)
 
     devices, _ = process_devices(world)
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
     sharded = NamedSharding(mesh, P(DATA_AXIS))
     # Each process's gradients are one row of a (world, ...) array.
-    fn = jax.jit(jax.shard_map(lambda g: reduced(jax.tree.map(lambda x: x[0], g)), mesh=mesh,
-                               in_specs=P(DATA_AXIS), out_specs=P(), check_vma=False))
+    fn = jax.jit(jax.shard_map(
+        lambda g, n: (reduced(jax.tree.map(lambda x: x[0], g)), jax.lax.all_gather(n[0], DATA_AXIS)),
+        mesh=mesh, in_specs=P(DATA_AXIS), out_specs=P(), check_vma=False))
 
-    def reduce(grads):
+    def reduce(grads, steps: int = 0):
         stacked = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharded, np.asarray(x)[None]),
                                grads)
-        return jax.tree.map(lambda g: g.addressable_data(0), fn(stacked))
+        out, counts = fn(stacked, _process_rows(sharded, np.asarray([steps], np.int32), "steps"))
+        return jax.tree.map(lambda g: g.addressable_data(0), out), _counts(counts)
 
     return reduce
 

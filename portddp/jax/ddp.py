@@ -393,8 +393,11 @@ class DistributedDataParallel(DDPCommon):
             if "reduce" not in self._steps:
                 self._steps["reduce"] = compiled.make_reduce(self.strategy, self._plan, self._layout, self.world_size)
             watchdog.step_started()
-            out = jax.block_until_ready(self._steps["reduce"](grads))
+            out, counts = self._steps["reduce"](grads, self._step_count)
+            jax.block_until_ready(out)
             watchdog.step_finished()
+            if counts is not None:
+                check_same_step(counts, self.rank)
             return out
         # One synchronised iteration on the host: the same collectives as a hooked grad_fn step.
         self._step_counted = True  # (not a step: the accumulated ones were counted)
@@ -517,11 +520,13 @@ class DistributedDataParallel(DDPCommon):
                                                             self.world_size, self.broadcast_buffers)
             t0 = _now()
             watchdog.step_started()
-            out = step.run(static, params, state, batch, scale)
+            *out, counts = step.run(static, params, state, batch, scale, self._step_count)
             jax.block_until_ready(out[-1])
             watchdog.step_finished()
             self._hlo, self._iteration_time = step.hlo, (_now() - t0) * 1e-9
             self._iterations += 1
+            if counts is not None:  # every rank holds the same counts: every rank raises alike
+                check_same_step(counts, self.rank)
             return out
 
         def step(static, params, state, batch, sync: bool = True):

@@ -112,6 +112,40 @@ def accumulate_inside_jit():
     return f"steps={ddp._step_count}"
 
 
+def local_step_on_one_rank(strategy: str, then: str = "step"):
+    """Rank 0 runs one grad_fn(sync=False) step more than rank 1, then both synchronise (a step,
+    or ddp.reduce() of what they accumulated): every psum from then on would pair rank 0's step
+    k+1 with rank 1's step k. Refused on every rank, naming both steps (the compiled program
+    all-gathers the step counts beside its psums; the hooked one sends them with its used counts)."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, strategy=strategy, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    grad_fn(params, batch(0))
+    if then == "reduce":  # rank 0 accumulates two local steps, rank 1 one; both reduce
+        local = [grad_fn(params, batch(s), sync=False)[1] for s in range(2 - WORLD.rank)]
+        ddp.reduce(jax.tree.map(lambda *gs: sum(gs), *local))
+        return "no error"
+    if WORLD.rank == 0:
+        grad_fn(params, batch(1), sync=False)
+    grad_fn(params, batch(2))
+    return "no error"
+
+
+def same_local_steps_compiled():
+    """Legal: both ranks accumulate two sync=False steps, then ddp.reduce() (compiled): the counts
+    agree, and the reduced gradients are the mean of the two ranks' sums."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, strategy="compiled", bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    acc = jax.tree.map(lambda a, b: a + b, *(grad_fn(params, batch(s), sync=False)[1] for s in range(2)))
+    reduced = ddp.reduce(acc)
+    everyone = get_transport().allgather_object([np.asarray(x) for x in jax.tree.leaves(acc)])
+    mean = [sum(xs) / 2 for xs in zip(*everyone)]
+    worst = max(float(np.max(np.abs(np.asarray(r) - m))) for r, m in zip(jax.tree.leaves(reduced), mean))
+    assert worst < 1e-6, worst
+    return f"steps={ddp._step_count} max_abs={worst:.1e}"
+
+
 def reduce_inside_jit():
     """ddp.reduce() reduces arrays on the host: inside jit it is refused, naming the traced way."""
     params = init_params()
@@ -207,6 +241,10 @@ CASES = {
     "per_rank_init_compiled": lambda: per_rank_init("compiled"),
     "per_rank_init_jitted": lambda: per_rank_init("hooked", jitted=True),
     "broadcast_then_step": broadcast_then_step,
+    "local_step_on_one_rank_hooked": lambda: local_step_on_one_rank("hooked"),
+    "local_step_on_one_rank_compiled": lambda: local_step_on_one_rank("compiled"),
+    "local_step_on_one_rank_compiled_reduce": lambda: local_step_on_one_rank("compiled", then="reduce"),
+    "same_local_steps_compiled": same_local_steps_compiled,
     "model_grew": model_grew,
     "other_containers": other_containers,
     "hook_not_a_handle": lambda: with_hook(not_a_handle),
