@@ -66,3 +66,26 @@ def errors_on_every_rank(proc, n: int, pattern: str) -> None:
     assert sorted(errors) == [str(r) for r in range(n)], proc.stdout + proc.stderr[-2000:]
     for rank, message in errors.items():
         assert re.search(pattern, message), f"rank {rank}: {message}"
+
+
+def run_cases(n: int, module: str, cases: list[str], *args: str, timeout: float = 240) -> dict:
+    """Run several bad-input cases of a worker in one job (`--cases`, tests/workers/common.py);
+    return {case: {rank: outcome}}, the outcome `PORTDDP_ERROR <message>` or `PORTDDP_NO_ERROR`."""
+    import re  # noqa: PLC0415
+
+    proc = run(n, module, "--cases", ",".join(cases), *args, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    outcomes: dict = {}
+    for case, rank, outcome in re.findall(r"PORTDDP_CASE (\S+) rank=(\d+) (.*)", proc.stdout):
+        outcomes.setdefault(case, {})[int(rank)] = outcome
+    return outcomes
+
+
+def case_errors_on_every_rank(outcomes: dict, case: str, n: int, pattern: str) -> None:
+    """Like errors_on_every_rank, for one case of run_cases."""
+    import re  # noqa: PLC0415
+
+    got = outcomes.get(case, {})
+    assert sorted(got) == list(range(n)), f"{case}: outcomes of ranks {sorted(got)}: {got}"
+    for rank, outcome in got.items():
+        assert outcome.startswith("PORTDDP_ERROR ") and re.search(pattern, outcome), f"{case}, rank {rank}: {outcome}"

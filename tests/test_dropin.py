@@ -93,10 +93,15 @@ NATIVE_ERRORS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def native_errors():
+    """Every case in one job (tests/workers/common.run_cases)."""
+    return mpi.run_cases(2, "tests.workers.torch_bad_input", [c for c, _ in NATIVE_ERRORS], "c10d")
+
+
 @pytest.mark.parametrize("case,pattern", NATIVE_ERRORS, ids=[c for c, _ in NATIVE_ERRORS])
-def test_native_argument_errors_on_every_rank(case, pattern):
-    proc = mpi.run(2, "tests.workers.torch_bad_input", case, "c10d", timeout=120)
-    mpi.errors_on_every_rank(proc, 2, pattern)
+def test_native_argument_errors_on_every_rank(native_errors, case, pattern):
+    mpi.case_errors_on_every_rank(native_errors, case, 2, pattern)
 
 
 @pytest.mark.parametrize("transport", ["c10d", "mpi"])

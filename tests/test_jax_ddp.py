@@ -123,7 +123,12 @@ BAD = [
 ]
 
 
+@pytest.fixture(scope="module")
+def bad_input():
+    """Every case in one job (tests/workers/common.run_cases)."""
+    return mpi.run_cases(2, "tests.workers.jax_bad_input", [c for c, _ in BAD])
+
+
 @pytest.mark.parametrize("case,pattern", BAD, ids=[c for c, _ in BAD])
-def test_bad_input_fails_on_every_rank(case, pattern):
-    proc = mpi.run(2, "tests.workers.jax_bad_input", case, timeout=120)
-    mpi.errors_on_every_rank(proc, 2, pattern)
+def test_bad_input_fails_on_every_rank(bad_input, case, pattern):
+    mpi.case_errors_on_every_rank(bad_input, case, 2, pattern)

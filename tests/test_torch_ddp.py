@@ -5,6 +5,7 @@ The worker (tests/workers/torch_equivalence.py) runs every scenario under
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -125,12 +126,25 @@ BAD = [
 ]
 
 
+ALONE = ("world_size", "process_group_mismatch")  # portddp.init() itself fails: one job each
+
+
+@pytest.fixture(scope="module")
+def bad_input_jobs():
+    """Every 2-rank case of one transport in one job (tests/workers/common.run_cases), on first use."""
+    return functools.cache(lambda transport: mpi.run_cases(
+        2, "tests.workers.torch_bad_input", [c for c, ts, _ in BAD if transport in ts and c not in ALONE], transport))
+
+
 @pytest.mark.parametrize(
     "case,transport,pattern,n",
     [(c, t, p, 2) for c, ts, p in BAD for t in ts]
     + [("unused_some_ranks", "mpi", r"no gradient .*'branch\.weight' \(on 2 of 3 ranks\)", 3)],
 )
-def test_bad_input_fails_on_every_rank(case, transport, pattern, n):
+def test_bad_input_fails_on_every_rank(bad_input_jobs, case, transport, pattern, n):
+    if n == 2 and case not in ALONE:
+        mpi.case_errors_on_every_rank(bad_input_jobs(transport), case, n, pattern)
+        return
     proc = mpi.run(n, "tests.workers.torch_bad_input", case, transport, timeout=120)
     mpi.errors_on_every_rank(proc, n, pattern)
 

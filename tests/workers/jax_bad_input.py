@@ -1,6 +1,7 @@
 """Bad input for portddp.jax: each case fails on every rank with a clear message.
 
     mpirun -n 2 python -m tests.workers.jax_bad_input CASE
+    mpirun -n 2 python -m tests.workers.jax_bad_input --cases CASE,CASE,...
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from portddp.jax import DistributedDataParallel  # noqa: E402
-from tests.workers.common import run_case  # noqa: E402
+from tests.workers import common  # noqa: E402
 
 
 def run(case: str) -> None:
@@ -72,4 +73,4 @@ def run(case: str) -> None:
 
 
 if __name__ == "__main__":
-    run_case(WORLD.rank, run, sys.argv[1])
+    common.main(WORLD.rank, run, sys.argv[1:])

@@ -2,9 +2,11 @@
 message, never hang. Run by tests/test_torch_ddp.py:
 
     mpirun -n 2 python -m tests.workers.torch_bad_input CASE TRANSPORT
+    mpirun -n 2 python -m tests.workers.torch_bad_input --cases CASE,CASE,... TRANSPORT
 
 Every rank prints `PORTDDP_ERROR rank=<r> <message>` and exits 3, or
-`PORTDDP_NO_ERROR rank=<r>` and exits 0 if nothing was raised.
+`PORTDDP_NO_ERROR rank=<r>` and exits 0 if nothing was raised (with --cases: one
+`PORTDDP_CASE` line per case and rank, tests/workers/common.run_cases).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 import portddp
 from portddp.launch import detect
 from portddp.torch import DistributedDataParallel
-from tests.workers.common import run_case
+from tests.workers import common
 
 
 class Branchy(nn.Module):
@@ -278,8 +280,10 @@ def _literal(text):
 
 
 def main():
-    case, transport = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "c10d")
-    run_case(detect().rank, run, case, transport)
+    argv = sys.argv[1:]
+    if len(argv) == (2 if argv[0] == "--cases" else 1):
+        argv.append("c10d")
+    common.main(detect().rank, run, argv)
 
 
 if __name__ == "__main__":
