@@ -149,7 +149,8 @@ def main() -> None:
             variants[name]()
             times[name].append((time.perf_counter() - t, time.thread_time() - c))
     if rank == 0:
-        ms = {name: (1e3 * np.median([w for w, _ in v]), 1e3 * np.median([c for _, c in v])) for name, v in times.items()}
+        ms = {name: (1e3 * np.median([w for w, _ in v]), 1e3 * np.median([c for _, c in v]))
+              for name, v in times.items()}
         for name, (wall, cpu) in ms.items():
             print(f"{name:14s} {wall:7.2f} ms  (CPU {cpu:6.2f} ms)")
         in_place = ms["cma-in-place"][0] - ms["copy"][0]
