@@ -68,12 +68,14 @@ def errors_on_every_rank(proc, n: int, pattern: str) -> None:
         assert re.search(pattern, message), f"rank {rank}: {message}"
 
 
-def run_cases(n: int, module: str, cases: list[str], *args: str, timeout: float = 240) -> dict:
+def run_cases(n: int, module: str, cases: list[str], *args: str, timeout: float = 120) -> dict:
     """Run several bad-input cases of a worker in one job (`--cases`, tests/workers/common.py);
-    return {case: {rank: outcome}}, the outcome `PORTDDP_ERROR <message>` or `PORTDDP_NO_ERROR`."""
+    return {case: {rank: outcome}}, the outcome `PORTDDP_ERROR <message>` or `PORTDDP_NO_ERROR`.
+    A case that fails on some ranks only leaves the others waiting: the stall inspector names
+    them after 20 s (PORTDDP_STALL_S), well inside the job's timeout."""
     import re  # noqa: PLC0415
 
-    proc = run(n, module, "--cases", ",".join(cases), *args, timeout=timeout)
+    proc = run(n, module, "--cases", ",".join(cases), *args, timeout=timeout, env={"PORTDDP_STALL_S": "20"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     outcomes: dict = {}
     for case, rank, outcome in re.findall(r"PORTDDP_CASE (\S+) rank=(\d+) (.*)", proc.stdout):

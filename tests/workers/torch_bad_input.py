@@ -281,9 +281,11 @@ def _literal(text):
 
 def main():
     argv = sys.argv[1:]
-    if len(argv) == (2 if argv[0] == "--cases" else 1):
-        argv.append("c10d")
-    common.main(detect().rank, run, argv)
+    named = 2 if argv[:1] == ["--cases"] else 1  # the case (or --cases and the list), then the transport
+    if len(argv) not in (named, named + 1):
+        raise SystemExit("usage: python -m tests.workers.torch_bad_input {CASE | --cases CASE,CASE,...} "
+                         "[c10d|mpi]")
+    common.main(detect().rank, run, argv if len(argv) > named else [*argv, "c10d"])
 
 
 if __name__ == "__main__":
