@@ -38,6 +38,7 @@ CASES = {
     "broadcast_then_step": r"OK loss=",
     **{f"local_step_on_one_rank_{kind}": STEPS.format(*steps) for kind, steps in
        (("hooked", (3, 2)), ("compiled", (3, 2)), ("compiled_reduce", (3, 2)))},
+    "step_here_reduce_there_compiled": STEPS.format(2, 1),
     "same_local_steps_compiled": r"OK steps=2 max_abs=",
     "model_grew": r"ValueError: pytree differs from the one DistributedDataParallel was built with: 2 leaves it was "
                   r"not built with: \['l3'\]\['bias'\].*, \['l3'\]\['kernel'\].*\. The bucket plan .* build a new one",

@@ -115,7 +115,8 @@ def accumulate_inside_jit():
 def local_step_on_one_rank(strategy: str, then: str = "step"):
     """Rank 0 runs one grad_fn(sync=False) step more than rank 1, then both synchronise (a step,
     or ddp.reduce() of what they accumulated): every psum from then on would pair rank 0's step
-    k+1 with rank 1's step k. Refused on every rank, naming both steps (the compiled program
+    k+1 with rank 1's step k. Or (`reduce_on_one_rank`) rank 0 synchronises a step while rank 1
+    reduces what it holds. Refused on every rank, naming both steps (the compiled program
     all-gathers the step counts beside its psums; the hooked one sends them with its used counts)."""
     params = init_params()
     ddp = DistributedDataParallel(params, strategy=strategy, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
@@ -124,6 +125,12 @@ def local_step_on_one_rank(strategy: str, then: str = "step"):
     if then == "reduce":  # rank 0 accumulates two local steps, rank 1 one; both reduce
         local = [grad_fn(params, batch(s), sync=False)[1] for s in range(2 - WORLD.rank)]
         ddp.reduce(jax.tree.map(lambda *gs: sum(gs), *local))
+        return "no error"
+    if then == "reduce_on_one_rank":  # rank 0 synchronises a step, rank 1 reduces what it has
+        if WORLD.rank == 0:
+            grad_fn(params, batch(1))
+        else:
+            ddp.reduce(jax.tree.map(jnp.ones_like, params))
         return "no error"
     if WORLD.rank == 0:
         grad_fn(params, batch(1), sync=False)
@@ -244,6 +251,7 @@ CASES = {
     "local_step_on_one_rank_hooked": lambda: local_step_on_one_rank("hooked"),
     "local_step_on_one_rank_compiled": lambda: local_step_on_one_rank("compiled"),
     "local_step_on_one_rank_compiled_reduce": lambda: local_step_on_one_rank("compiled", then="reduce"),
+    "step_here_reduce_there_compiled": lambda: local_step_on_one_rank("compiled", then="reduce_on_one_rank"),
     "same_local_steps_compiled": same_local_steps_compiled,
     "model_grew": model_grew,
     "other_containers": other_containers,
