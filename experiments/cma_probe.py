@@ -19,12 +19,12 @@ interleaved rounds (medians of 15, rank 0, wall and CPU of the calling thread):
   first costs one plain copy, timed alone as `copy` and to be subtracted.
 
 All three give bitwise the same numbers (checked before timing). Synchronisation is MPI_Barrier,
-the same in all three. Not used by portddp (README, "CPU per iteration": measured slower).
+the same in all three. Not used by portddp: inside a real step it is no faster
+(experiments/cma_step_probe.py; README, "CPU per iteration").
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import time
@@ -32,27 +32,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from harness.cma import BLOCK, read_remote
+
 N = 8 * 1024 * 1024  # 32 MB of float32
-BLOCK = 64 * 1024  # elements per process_vm_readv call (256 KB)
 ROUNDS = 15
-
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec),
-                                   ctypes.c_ulong, ctypes.c_ulong]
-_libc.process_vm_readv.restype = ctypes.c_ssize_t
-
-
-def read_remote(pid: int, address: int, into: np.ndarray) -> None:
-    """Copy into.nbytes bytes at `address` in process `pid` into `into`."""
-    local, remote = _IoVec(into.ctypes.data, into.nbytes), _IoVec(address, into.nbytes)
-    if _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != into.nbytes:
-        err = ctypes.get_errno()
-        raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
 
 
 def shared_segments(comm, nbytes: int) -> list[np.ndarray]:
@@ -155,8 +138,9 @@ def main() -> None:
             print(f"{name:14s} {wall:7.2f} ms  (CPU {cpu:6.2f} ms)")
         in_place = ms["cma-in-place"][0] - ms["copy"][0]
         best = min(ms["cma"][0], in_place) / ms["pack"][0]
-        verdict = ("reading the peer's memory saves no time here: portddp keeps packing into shared memory"
-                   if best > 0.9 else "reading the peer's memory would save time here")
+        verdict = ("on bare buffers, reading the peer's memory saves no time" if best > 0.9 else
+                   "on bare buffers, reading the peer's memory saves time (inside a step: "
+                   "python -m experiments.cma_step_probe)")
         print(f"bitwise equal: {same}; cma / pack = {ms['cma'][0] / ms['pack'][0]:.2f}, "
               f"cma-in-place (less the copy) / pack = {in_place / ms['pack'][0]:.2f}: {verdict}")
 

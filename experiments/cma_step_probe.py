@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from experiments.cma_probe import BLOCK, read_remote  # noqa: E402
+from harness.cma import BLOCK, read_remote  # noqa: E402
 from portddp.jax import DistributedDataParallel  # noqa: E402
 
 COMM = MPI.COMM_WORLD
