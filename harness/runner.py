@@ -65,7 +65,9 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
     if cfg.ranks and cfg.ranks != launched:
         raise SystemExit(f"experiment {name!r} was asked for {cfg.ranks} ranks but launched with {launched}: "
                          f"run `mpirun -n {cfg.ranks} python -m experiments.{name}`")
-    world = portddp.init(jax_distributed="jax-compiled" in cfg.impls)
+    # (the bench's cap sweep names its own implementations: jax-compiled there needs it too)
+    wanted = {*cfg.impls, *getattr(cfg, "sweep_impls", ())} if getattr(cfg, "sweep", False) else set(cfg.impls)
+    world = portddp.init(jax_distributed="jax-compiled" in wanted)
     say = print if world.rank == 0 else (lambda *a, **k: None)
     variants = list(make_variants(cfg, world))
     for v in variants:
