@@ -9,7 +9,8 @@ one job every variant runs on the same buffers in interleaved rounds, so ratios 
 side measurements. Per variant: median milliseconds per all-reduce on rank 0, CPU milliseconds
 that rank's process used per all-reduce (its main thread sleeps in `Handle.wait`, so this is the
 comm thread's), bytes its host's interface sent per all-reduce (emulated cluster only), and the
-ratio to the floor. A late-peer probe measures what waiting costs: rank 0 arrives 0.5 s early,
+ratio to the floor, and the page faults rank 0 took per all-reduce (a buffer mapped afresh faults
+in every page). A late-peer probe measures what waiting costs: rank 0 arrives 0.5 s early,
 CPU seconds per second of waiting. The last line holds the ratios.
 
 floor: the memory traffic of the shared-memory scheme done on private copies, no synchronisation:
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -99,6 +101,7 @@ def worker(args) -> None:
     times = {k: [] for k in names}
     cpus = {k: [] for k in names}
     wire = {k: [] for k in names}
+    faults = {k: [] for k in names}
     for rnd in range(args.warmup + args.rounds):
         order = names[rnd % len(names):] + names[:rnd % len(names)]
         for name in order:
@@ -107,13 +110,14 @@ def worker(args) -> None:
                 if buf is not None:
                     buf[...] = torch.from_numpy(data) if isinstance(buf, torch.Tensor) else data
                 sync.Barrier()
-                tx, c0, w0 = _tx_bytes(), time.process_time(), time.perf_counter()
+                tx, c0, w0, f0 = _tx_bytes(), time.process_time(), time.perf_counter(), _minor_faults()
                 fn()
                 w, c, sent = time.perf_counter() - w0, time.process_time() - c0, _tx_bytes() - tx
                 if rnd >= args.warmup:
                     times[name].append(w)
                     cpus[name].append(c)
                     wire[name].append(sent)
+                    faults[name].append(_minor_faults() - f0)
     # correctness on the way: every variant leaves the same sum (float32: close)
     ref = data.copy()
     sync.Allreduce(MPI.IN_PLACE, ref)
@@ -146,10 +150,16 @@ def worker(args) -> None:
             "label": args.label, "n": n, "local": L, "hosts": n // L, "mb": args.size_mb,
             "copy_gbs": 2 * count * 4 / statistics.median(copy_ms) / 1e6,
             "rows": {k: {"ms": statistics.median(times[k]) * 1e3, "cpu_ms": statistics.median(cpus[k]) * 1e3,
-                         "wire_mb": statistics.median(wire[k]) / 1e6, "late_cpu": late.get(k)} for k in names},
+                         "wire_mb": statistics.median(wire[k]) / 1e6, "late_cpu": late.get(k),
+                         "faults": statistics.median(faults[k])} for k in names},
         }), flush=True)
     sync.Barrier()
     del world
+
+
+def _minor_faults() -> int:
+    """Page faults this process has taken so far (a buffer mapped afresh faults in every page)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _xla_variants(n: int, count: int, data: np.ndarray) -> dict:
@@ -232,15 +242,17 @@ def main(argv=None) -> None:
     print(f"all-reduce of {args.size_mb:g} MB float32, {where}; memory copy {head['copy_gbs']:.1f} GB/s "
           f"(read + write); medians of {args.rounds} rounds x {args.reps}, {time.strftime('%Y-%m-%d')}")
     floor = head["rows"].get("floor (memory traffic)", {}).get("ms")
-    print("| variant | ms | x floor | CPU ms per all-reduce | CPU s per s of waiting | MB sent per host |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | ms | x floor | CPU ms per all-reduce | page faults per all-reduce | CPU s per s of waiting "
+          "| MB sent per host |")
+    print("|---|---|---|---|---|---|---|")
     ratios = {}
     for job in jobs:
         for name, row in job["rows"].items():
             label = name if job is head else f"{name}, {job['label']}"
             late = "–" if row["late_cpu"] is None else f"{row['late_cpu']:.3f}"
             wire = f"{row['wire_mb']:.1f}" if args.cluster else "–"
-            print(f"| {label} | {row['ms']:.2f} | {row['ms'] / floor:.2f} | {row['cpu_ms']:.2f} | {late} | {wire} |")
+            print(f"| {label} | {row['ms']:.2f} | {row['ms'] / floor:.2f} | {row['cpu_ms']:.2f} | {row['faults']:.0f} "
+                  f"| {late} | {wire} |")
             ratios[label] = row["ms"] / floor
     rows = head["rows"]
     best = "portddp shm, zero-copy" if "portddp shm, zero-copy" in rows else "MPI Iallreduce + test/sleep"
