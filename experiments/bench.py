@@ -61,6 +61,9 @@ class Config(runner.ExperimentConfig):
         default=1, metadata={"help": "untimed interleaved rounds before the timed ones (the first rounds of a run "
                                      "fault pages back in that another variant's steps handed back)"})
 
+    def implementations(self) -> set[str]:  # the cap sweep builds its own implementations too
+        return {*self.impls, *(self.sweep_impls if self.sweep else ())}
+
 
 def _auto_warmup() -> int:
     """Steps 'auto' needs before its choice is made (portddp.autotune's schedule), plus one."""

@@ -46,6 +46,10 @@ class ExperimentConfig(Workload):
     out_dir: str = dataclasses.field(default="results", metadata={"help": "where the JSON goes"})
     ranks: int = dataclasses.field(default=0, metadata={"help": "ranks this run must have (0: any)"})
 
+    def implementations(self) -> set[str]:
+        """Every implementation the experiment's variants will build (what portddp.init must start)."""
+        return set(self.impls)
+
 
 @dataclasses.dataclass
 class Variant:
@@ -65,9 +69,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
     if cfg.ranks and cfg.ranks != launched:
         raise SystemExit(f"experiment {name!r} was asked for {cfg.ranks} ranks but launched with {launched}: "
                          f"run `mpirun -n {cfg.ranks} python -m experiments.{name}`")
-    # (the bench's cap sweep names its own implementations: jax-compiled there needs it too)
-    wanted = {*cfg.impls, *getattr(cfg, "sweep_impls", ())} if getattr(cfg, "sweep", False) else set(cfg.impls)
-    world = portddp.init(jax_distributed="jax-compiled" in wanted)
+    world = portddp.init(jax_distributed="jax-compiled" in cfg.implementations())
     say = print if world.rank == 0 else (lambda *a, **k: None)
     variants = list(make_variants(cfg, world))
     for v in variants:
