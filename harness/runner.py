@@ -106,13 +106,13 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 gc.collect()  # as timeit does: no collector pause inside a timed step
                 gc.disable()
                 try:
-                    before = cluster.interface_bytes()
+                    before = _settled_interface_bytes()
                     cpu[label].start()
                     for _ in range(cfg.steps_per_round):
                         times[label].append(t.step())
                         stats[label].append(t.stats())
                     cpu[label].stop(cfg.steps_per_round)
-                    after = cluster.interface_bytes()
+                    after = _settled_interface_bytes()
                 finally:
                     gc.enable()
                 if before is not None:
@@ -175,6 +175,22 @@ def _gather_cpu(meter: CpuMeter) -> dict:
     everyone = get_transport().allgather_object(meter.per_step())
     mean = {k: statistics.fmean(r[k] for r in everyone) for k in ("total", *GROUPS, "wall")}
     return {**mean, "per_rank": everyone}
+
+
+def _settled_interface_bytes() -> dict | None:
+    """This host's interface counters once every rank got here; None outside the emulated cluster.
+
+    A rank's step can end while the tail of what it sent last is still queued in its socket or in
+    the link's tbf queue (its peer needed those bytes, not this rank); the interface counts them
+    only when they leave. The barrier's message from a peer arrives only after that peer received
+    everything of this round, so after it the counters hold all of a round's bytes and none of the
+    next's (plus the barrier's few bytes)."""
+    if cluster.cluster_info() is None:
+        return None
+    from portddp.transport import get_transport  # noqa: PLC0415
+
+    get_transport().barrier()
+    return cluster.interface_bytes()
 
 
 def _hosts_mean(samples: list[float], world) -> float | None:
