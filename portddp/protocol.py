@@ -55,8 +55,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_hook", "check_same_step",
-           "check_same_specs", "hook_result_error", "nonfinite_error", "unused_parameters_error"]
+__all__ = ["SHADOW", "buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_hook",
+           "check_same_specs", "check_same_step", "hook_result_error", "nonfinite_error", "step_slot",
+           "unused_parameters_error"]
 
 
 _FRAMEWORKS = ("torch", "jax")  # keys of the arguments only one framework's DDP has
@@ -159,25 +160,39 @@ def nonfinite_error(everyone: Sequence[Sequence[str]], rank: int) -> FloatingPoi
     )
 
 
-def check_same_step(steps: Sequence[int], rank: int) -> None:
+SHADOW = 0  # the step slot of a rank that shadows the others in join(): not compared
+
+
+def step_slot(step: int) -> int:
+    """What a training rank puts in its slot of the step exchange: its step count + 1, so that a
+    rank that has not run a step yet (a JAX ddp.reduce() before any grad_fn call) is compared
+    too; 0 (SHADOW) is left to join() shadows."""
+    return step + 1
+
+
+def check_same_step(slots: Sequence[int], rank: int) -> None:
     """Raise on every rank if the ranks reached this reduction at different steps.
 
-    `steps` holds each rank's step count, exchanged in the per-iteration "used" collective (0: a
-    rank that shadows the others in join(), not compared). A step is a forward with autograd on
-    through the wrapper (no_sync ones included; JAX: a grad_fn call). A rank that ran one step
-    locally that the others synchronised would otherwise average its step k+1 with the others'
-    step k from then on, silently. (A rank that skips a whole step looks like one with fewer
-    batches: the watchdog names it when it ends.) PORTDDP_CHECK_STEPS=0 turns the check off."""
-    counted = {n for n in steps if n}
+    `slots` holds each rank's `step_slot(step count)` (SHADOW: a rank that shadows the others in
+    join(), not compared), exchanged in the per-iteration "used" collective or, for JAX's compiled
+    strategy, gathered inside the program. A step is a forward with autograd on through the
+    wrapper (no_sync ones included; JAX: a grad_fn call). A rank that ran one step locally that
+    the others synchronised would otherwise average its step k+1 with the others' step k from then
+    on, silently. (A rank that skips a whole step looks like one with fewer batches: the watchdog
+    names it when it ends.) PORTDDP_CHECK_STEPS=0 turns the check off."""
+    counted = {n for n in slots if n != SHADOW}
     if len(counted) <= 1 or os.environ.get("PORTDDP_CHECK_STEPS", "1") == "0":
         return
-    where = ", ".join(f"rank {r} at step {n}" for r, n in enumerate(steps) if n)
+    where = ", ".join(f"rank {r} at step {n - 1}" for r, n in enumerate(slots) if n != SHADOW)
+    never = [r for r, n in enumerate(slots) if n == step_slot(0)]
     raise RuntimeError(
         f"ranks reached this gradient reduction at different steps ({where}; this is rank {rank}; a step is a "
         "forward with autograd on through the wrapper, no_sync ones included -- JAX: a grad_fn call): some rank "
         "ran a step locally that the others synchronised, or the other way round (no_sync() / sync=False on some "
         "ranks only, a backward skipped on some ranks), so its gradients were being averaged with another step's. "
-        "Every rank must run the same steps; give ranks with fewer batches join() (JAX: ddp.uneven()). If ranks "
+        + (f"Rank(s) {', '.join(map(str, never))} reduced before running any step (JAX: ddp.reduce() before any "
+           "grad_fn call; compute the local gradients with grad_fn(..., sync=False) on every rank). " if never else "")
+        + "Every rank must run the same steps; give ranks with fewer batches join() (JAX: ddp.uneven()). If ranks "
         "accumulate different numbers of local steps on purpose, set PORTDDP_CHECK_STEPS=0")
 
 

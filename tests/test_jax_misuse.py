@@ -40,6 +40,8 @@ CASES = {
        (("hooked", (3, 2)), ("compiled", (3, 2)), ("compiled_reduce", (3, 2)))},
     "step_here_reduce_there_compiled": STEPS.format(2, 1),
     "same_local_steps_compiled": r"OK steps=2 max_abs=",
+    **{f"reduce_before_any_step_{kind}": STEPS.format(1, 0) + r".* Rank\(s\) 1 reduced before running any step "
+       r"\(JAX: ddp\.reduce\(\) before any grad_fn call" for kind in ("hooked", "compiled")},
     "model_grew": r"ValueError: pytree differs from the one DistributedDataParallel was built with: 2 leaves it was "
                   r"not built with: \['l3'\]\['bias'\].*, \['l3'\]\['kernel'\].*\. The bucket plan .* build a new one",
     "other_containers": r"ValueError: pytree structure differs .* same paths .*: got PyTreeDef\(\(\*, \*\)\), expected "

@@ -10,8 +10,9 @@ import re
 import numpy as np
 import pytest
 
-from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_hook,
-                              check_same_specs, check_same_step, nonfinite_error, unused_parameters_error)
+from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_same_config,
+                              check_same_hook, check_same_specs, check_same_step, nonfinite_error, step_slot,
+                              unused_parameters_error)
 
 CONFIG = {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0, "transport": "mpi", "check_finite": False}
 
@@ -162,33 +163,50 @@ def step_check_on(monkeypatch):
     monkeypatch.delenv("PORTDDP_CHECK_STEPS", raising=False)
 
 
+def slots(*steps):
+    """The values the ranks exchange: step_slot(step) for a training rank, SHADOW for None."""
+    return [SHADOW if n is None else step_slot(n) for n in steps]
+
+
 def test_same_steps_pass(step_check_on):
-    check_same_step([7, 7, 7], rank=0)
-    check_same_step([4], rank=0)
+    check_same_step(slots(7, 7, 7), rank=0)
+    check_same_step(slots(4), rank=0)
+    check_same_step(slots(0, 0), rank=0)  # every rank reduces before any step (JAX: reduce() of own gradients)
 
 
-def test_joined_ranks_zero_are_not_compared(step_check_on):
-    check_same_step([0, 5, 5], rank=1)
-    check_same_step([0, 0], rank=0)
-    check_same_step([5, 0], rank=0)
+def test_join_shadows_are_not_compared(step_check_on):
+    check_same_step(slots(None, 5, 5), rank=1)
+    check_same_step(slots(None, None), rank=0)
+    check_same_step(slots(5, None), rank=0)
 
 
 def test_different_steps_name_each_rank_and_the_fixes(step_check_on):
     with pytest.raises(RuntimeError) as e:
-        check_same_step([3, 0, 2], rank=2)
+        check_same_step(slots(3, None, 2), rank=2)
     msg = str(e.value)
     assert "(rank 0 at step 3, rank 2 at step 2; this is rank 2;" in msg
     assert "rank 1" not in msg  # the joined rank
     assert "no_sync()" in msg and "join()" in msg and "ddp.uneven()" in msg
     assert "PORTDDP_CHECK_STEPS=0" in msg
+    assert "before running any step" not in msg
+
+
+def test_a_rank_that_never_stepped_is_compared_and_named(step_check_on):
+    """Step 0 is a count like any other (a join() shadow has a slot of its own): a rank reducing
+    before any step beside one that stepped is refused, naming it."""
+    with pytest.raises(RuntimeError) as e:
+        check_same_step(slots(2, 0, None), rank=0)
+    msg = str(e.value)
+    assert "(rank 0 at step 2, rank 1 at step 0; this is rank 0;" in msg
+    assert "Rank(s) 1 reduced before running any step" in msg
 
 
 def test_check_steps_zero_turns_the_check_off(monkeypatch):
     monkeypatch.setenv("PORTDDP_CHECK_STEPS", "0")
-    check_same_step([3, 2], rank=0)
+    check_same_step(slots(3, 2), rank=0)
     monkeypatch.setenv("PORTDDP_CHECK_STEPS", "1")
     with pytest.raises(RuntimeError, match="different steps"):
-        check_same_step([3, 2], rank=0)
+        check_same_step(slots(3, 2), rank=0)
 
 
 # ---- check_same_hook

@@ -17,8 +17,8 @@ this process's weight (1, or 0 for a joined rank, which feeds zeros shaped like
 the others' batch), and zeroes the gradients of weight 0 before the psums --
 one program, the same collectives, on every process.
 
-Step counts ("compiled"): every call takes this process's step count (grad_fn calls so far,
-sync=False ones included) as one more input and all-gathers it inside the program, beside the
+Step counts ("compiled"): every call takes this process's step slot (protocol.step_slot of its
+grad_fn calls so far, sync=False ones included) as one more input and all-gathers it inside the program, beside the
 bucket psums; the caller compares the gathered counts (portddp.protocol.check_same_step), so
 that a sync=False step on some ranks only -- which from then on pairs one rank's step k+1 with
 the others' step k in every psum -- fails on every rank instead of training on silently.

@@ -65,7 +65,7 @@ from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
 from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
-                              check_same_step, check_same_specs, hook_result_error, nonfinite_error,
+                              check_same_step, check_same_specs, hook_result_error, nonfinite_error, step_slot,
                               unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
@@ -393,7 +393,7 @@ class DistributedDataParallel(DDPCommon):
             if "reduce" not in self._steps:
                 self._steps["reduce"] = compiled.make_reduce(self.strategy, self._plan, self._layout, self.world_size)
             watchdog.step_started()
-            out, counts = self._steps["reduce"](grads, self._step_count)
+            out, counts = self._steps["reduce"](grads, step_slot(self._step_count))
             jax.block_until_ready(out)
             watchdog.step_finished()
             if counts is not None:
@@ -520,7 +520,7 @@ class DistributedDataParallel(DDPCommon):
                                                             self.world_size, self.broadcast_buffers)
             t0 = _now()
             watchdog.step_started()
-            *out, counts = step.run(static, params, state, batch, scale, self._step_count)
+            *out, counts = step.run(static, params, state, batch, scale, step_slot(self._step_count))
             jax.block_until_ready(out[-1])
             watchdog.step_finished()
             self._hlo, self._iteration_time = step.hlo, (_now() - t0) * 1e-9
@@ -820,7 +820,7 @@ class DistributedDataParallel(DDPCommon):
         flags = np.concatenate([np.ones(n, np.int32), self._nonfinite if self.check_finite else np.zeros(0, np.int32)])
         # A deferred gather reads the other ranks' buckets: the used counts, whose all-reduce lets
         # every rank go on to reuse its buckets, wait for it; otherwise they travel behind the buckets.
-        used = None if self._defer_gather else self._exchange_used(flags, self._step_count)
+        used = None if self._defer_gather else self._exchange_used(flags, step_slot(self._step_count))
         issued = used is not None
         try:
             with watchdog.waiting():
@@ -837,7 +837,7 @@ class DistributedDataParallel(DDPCommon):
                         start += count
                 if used is None:
                     issued = True
-                    used = self._exchange_used(flags, self._step_count)
+                    used = self._exchange_used(flags, step_slot(self._step_count))
                 totals = used.wait()
         except BaseException:
             if not issued:  # failed before the used counts (some buckets may be gathered already, later ones
@@ -846,7 +846,7 @@ class DistributedDataParallel(DDPCommon):
                     self._comm.discard(buf)
                 # (waited for before this rank writes a bucket again: peers may still be gathering from it)
                 with contextlib.suppress(Exception):  # (the first error is the one to report)
-                    self._stale_used = self._exchange_used(flags, self._step_count)
+                    self._stale_used = self._exchange_used(flags, step_slot(self._step_count))
             raise
         watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
         self._events.finalize_end_ns = _now()
@@ -860,12 +860,13 @@ class DistributedDataParallel(DDPCommon):
         if totals[n:-self.world_size].any():
             self._raise_nonfinite()
 
-    def _exchange_used(self, flags: np.ndarray, step: int) -> Handle:
+    def _exchange_used(self, flags: np.ndarray, slot: int) -> Handle:
         """How many ranks produced each gradient (and found it non-finite), and each rank's step
-        count in its own slot: one small all-reduce that lets every rank fail together."""
+        slot in its own place (protocol.step_slot): one small all-reduce that lets every rank fail
+        together."""
         used = np.zeros(len(flags) + self.world_size, np.int32)
         used[:len(flags)] = flags
-        used[len(flags) + self.rank] = step
+        used[len(flags) + self.rank] = slot
         if self.world_size == 1:
             return Handle.completed(used)
         self._issue("used-count")

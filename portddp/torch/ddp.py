@@ -61,8 +61,8 @@ from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
-from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
-                              check_same_step, check_same_specs, hook_result_error, nonfinite_error,
+from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_same_config,
+                              check_same_step, check_same_specs, hook_result_error, nonfinite_error, step_slot,
                               unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
@@ -681,7 +681,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # With check_finite the same collective also counts, per parameter, the ranks whose
         # gradient held a NaN or Inf (a second half of the vector).
         flags = used + (bytes(self._nonfinite) if self.check_finite else b"")
-        used_fut = self._exchange_used(flags, self._step_count) if early else None
+        used_fut = self._exchange_used(flags, step_slot(self._step_count)) if early else None
         # As native's reducer does, a bucket's mean goes back to .grad as soon as it is reduced,
         # while the later buckets are still on the wire -- for the parameters this rank has a
         # gradient of (used at least here; the rest wait for the counts). Not with check_finite,
@@ -695,7 +695,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 if early_write:
                     self._write_grads([i for i in self._plan.buckets[b].params if self._seen[i]])
             if not early:
-                delayed, used_fut = self._launch_delayed(), self._exchange_used(flags, self._step_count)
+                delayed = self._launch_delayed()
+                used_fut = self._exchange_used(flags, step_slot(self._step_count))
             if delayed is not None:
                 self._write_delayed(delayed)
             totals = used_fut.wait().tolist()
@@ -719,13 +720,13 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._raise_nonfinite()
         self._write_grads([i for i, c in enumerate(counts) if c and not (early_write and self._seen[i])])
 
-    def _exchange_used(self, flags: bytes, step: int):
+    def _exchange_used(self, flags: bytes, slot: int):
         """How many ranks produced each gradient (and found it non-finite), and each rank's step
-        count in its own slot (0: not compared): one small all-reduce that lets every rank fail
-        together."""
+        slot in its own place (protocol.step_slot; SHADOW: not compared): one small all-reduce that
+        lets every rank fail together."""
         used = torch.zeros(len(flags) + self.world_size, dtype=torch.int32)
         used[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
-        used[len(flags) + self.rank] = step
+        used[len(flags) + self.rank] = slot
         if self.world_size == 1:
             return _done(used)
         self._issue("used-count")
@@ -791,7 +792,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # reduction (kept up to date by every shadow one): what was used then counts as used now,
         # so the others write zeros (their mean) into those .grad rather than leaving them alone.
         used = self._used_last if self.find_unused_parameters else bytes(len(self._params))
-        used_fut = self._exchange_used(used + (bytes(len(self._params)) if self.check_finite else b""), 0)
+        used_fut = self._exchange_used(used + (bytes(len(self._params)) if self.check_finite else b""), SHADOW)
         with watchdog.waiting():
             for fut in futures:
                 fut.wait()

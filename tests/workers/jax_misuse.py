@@ -138,6 +138,18 @@ def local_step_on_one_rank(strategy: str, then: str = "step"):
     return "no error"
 
 
+def reduce_before_any_step(strategy: str):
+    """Rank 0 accumulates one grad_fn(sync=False) step, rank 1 none (its gradients from elsewhere);
+    both call ddp.reduce(): rank 1's count is 0, which the check used to read as a join() shadow's
+    and let pass. Refused on every rank, naming rank 1 as the one that never stepped."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, strategy=strategy, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    local = grad_fn(params, batch(0), sync=False)[1] if WORLD.rank == 0 else jax.tree.map(jnp.ones_like, params)
+    ddp.reduce(local)
+    return "no error"
+
+
 def same_local_steps_compiled():
     """Legal: both ranks accumulate two sync=False steps, then ddp.reduce() (compiled): the counts
     agree, and the reduced gradients are the mean of the two ranks' sums."""
@@ -253,6 +265,8 @@ CASES = {
     "local_step_on_one_rank_compiled_reduce": lambda: local_step_on_one_rank("compiled", then="reduce"),
     "step_here_reduce_there_compiled": lambda: local_step_on_one_rank("compiled", then="reduce_on_one_rank"),
     "same_local_steps_compiled": same_local_steps_compiled,
+    "reduce_before_any_step_hooked": lambda: reduce_before_any_step("hooked"),
+    "reduce_before_any_step_compiled": lambda: reduce_before_any_step("compiled"),
     "model_grew": model_grew,
     "other_containers": other_containers,
     "hook_not_a_handle": lambda: with_hook(not_a_handle),
