@@ -20,6 +20,8 @@ SCENARIOS = [
     "buffers_b1_u0", "buffers_b1_u1", "buffers_b0_u0", "buffers_b0_u1", "buffers_two_forwards", "static_graph_checkpoint",
     "static_graph_ignored_output", "undefined_grad", "rewrap",
     "init_sync_false", "forward_sync_buffers_false", "delay_all_reduce",
+    "frozen_per_rank_init", "checkpoint_last_reentrant", "static_graph_shared_checkpointed", "module_microsteps",
+    "copies",
 ]
 
 
@@ -41,6 +43,7 @@ def test_trains_exactly_like_native_ddp(results, scenario):
         assert row["bitwise"] if n == 2 else row["max_diff"] <= bound, row
         assert row.get("grad_as_native", True), row  # .grad None (ignored head) or zeros (undefined_grad), as native
         assert row.get("old_refused", True), row  # rewrap: the superseded wrapper refuses a forward
+        assert row.get("copy_refuses_backward", True), row  # copies: a deepcopy of portddp's wrapper refuses to train
 
 
 def test_native_attributes_and_module_interface(results):

@@ -286,6 +286,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._sync = False
         self._expect_grads = False
         self._finalize_queued = False
+        self._static_hooks: list[int] | None = None  # static_graph: gradient hooks per param, learnt once
+        self._ddp_backward_task = None  # the autograd pass the last synchronised forward's output started
         self._sync_flag = None  # join(): how many ranks sync this iteration (a pending collective)
         self._last_events: IterationEvents | None = None
         self._warned_create_graph = False
@@ -327,25 +329,39 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         return [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type)
                 for n, p in zip(self._names, self._params)]
 
-    def _verify_same_model(self, specs: list[ParamSpec]) -> None:
-        """Compare every rank's parameter list with rank 0's; name the first difference."""
+    def _verify_same_model(self, specs: list[ParamSpec], frozen: bool = False) -> None:
+        """Compare every rank's parameter list (and, with `frozen`, its frozen parameters') with
+        rank 0's; name the first difference."""
         self._issue("model check")
+        mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self._frozen_named()] \
+            if frozen else None
         with watchdog.waiting():
             # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
-            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None])
+            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine])
         check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters")
+        if frozen:
+            check_same_specs([e[2] for e in everyone], "model mismatch across ranks", "frozen parameter",
+                             "frozen (requires_grad=False) parameters")
+
+    def _frozen_named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for n, p in self.module.named_parameters()
+                if not p.requires_grad and n not in self.parameters_to_ignore]
 
     def _broadcast_state(self, src: int = 0, buffers: bool = True) -> None:
-        """Rank `src`'s parameters (bucket by bucket, after agreeing again) and buffers everywhere.
+        """Rank `src`'s parameters (bucket by bucket, after agreeing again), frozen ones included
+        (as native's _sync_module_states: they are never reduced, but must start equal), and
+        buffers everywhere.
 
         The same exchange as portddp.jax's broadcast() (see portddp.protocol)."""
-        self._verify_same_model(list(self._plan.specs))
+        self._verify_same_model(list(self._plan.specs), frozen=True)
         self._issue(f"broadcast of rank {src}'s parameters")
         with torch.no_grad(), watchdog.waiting():
             for bucket in self._plan.buckets:
                 self._comm.broadcast_([self._params[i] for i in bucket.params], src=src)
             if self._delayed:
                 self._comm.broadcast_([p for _, p in self._delayed], src=src)
+            if frozen := [p for _, p in self._frozen_named()]:
+                self._comm.broadcast_(frozen, src=src)
             if buffers and self._module_buffers:
                 self._comm.broadcast_(self._module_buffers, src=src)
 
@@ -409,6 +425,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self.require_backward_grad_sync = old
 
     def forward(self, *inputs, **kwargs):
+        if self.__dict__.get("_detached"):  # a copy (see __getstate__)
+            return self._detached_forward(inputs, kwargs)
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
         return self._post_forward(self.module(*inputs, **kwargs))
 
@@ -458,6 +476,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._events.forward_end_ns = _now()
             if self.static_graph:
                 output = self._through_sink(output)
+            self._mark_backward_source(output)
         return output
 
     def _check_parameters_unchanged(self) -> None:
@@ -517,6 +536,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._seen = bytearray(len(self._params))
         self._nonfinite = bytearray(len(self._params))
         self._ready_order: list[int] = []
+        self._hook_counts = [0] * len(self._params)  # static_graph: gradient hooks fired so far
+        self._hook_order: list[int] = []  # static_graph's first iteration: params in hook order
         self._finalize_queued = False
         self._expect_grads = True
         if not self._hooks_agreed:
@@ -547,10 +568,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 # else a zero gradient, reduced with the others'
                 if ddp.find_unused_parameters or ddp.static_graph or not ddp._sync:
                     return
-            if ddp._sync:
-                ddp._mark_ready(i, param)
-            elif ddp.find_unused_parameters:  # under no_sync the gradient simply accumulates in .grad
-                ddp._used_unsynced[i] = 1
+            if ddp._sync and (ddp._expect_grads or ddp._in_ddp_backward()):
+                ddp._mark_ready(i, param)  # (outside an iteration: a second backward, refused there)
+            elif ddp.find_unused_parameters:  # under no_sync (or through ddp.module) the gradient
+                ddp._used_unsynced[i] = 1  # simply accumulates in .grad; used since the last reduction
 
         return hook
 
@@ -561,13 +582,35 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 f"gradient of {self._names[i]!r} arrived outside a DDP iteration: run one backward per "
                 "forward of the DistributedDataParallel wrapper (a second backward needs another forward)"
             )
+        if self.static_graph and self._static_gradient_incomplete(i):
+            return
         if self._seen[i]:
             raise RuntimeError(
-                f"parameter {self._names[i]!r} received its gradient twice in one backward pass; "
-                "DistributedDataParallel supports one gradient per parameter per iteration"
+                f"parameter {self._names[i]!r} received its gradient twice in one backward pass (a layer "
+                "used twice under reentrant activation checkpointing, say); DistributedDataParallel supports "
+                "one gradient per parameter per iteration unless static_graph=True, which learns how many "
+                "arrive in its first iteration"
             )
         if not self._finalize_queued:
             self._queue_finalize()
+        self._ready(i, param, now)
+
+    def _static_gradient_incomplete(self, i: int) -> bool:
+        """static_graph: count param i's gradient hooks (a layer reused under reentrant
+        checkpointing fires them once per nested backward, each time after accumulating into
+        .grad). In the first iteration, as native's, nothing is reduced during the backward:
+        the counts are learnt and `_finalize` marks every parameter ready at the end. From then
+        on, a parameter is ready at its last hook."""
+        self._hook_counts[i] += 1
+        if self._static_hooks is None:
+            self._hook_order.append(i)  # (the last hook decides the order the plan is rebuilt in)
+            if not self._finalize_queued:
+                self._queue_finalize()
+            return True
+        return self._hook_counts[i] < self._static_hooks[i]
+
+    def _ready(self, i: int, param: torch.Tensor, now: int) -> None:
+        """Param i's gradient is complete: pack it, launch what the plan order allows."""
         self._seen[i] = 1
         if not self._rebuilt:
             self._ready_order.append(i)
@@ -650,6 +693,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _finalize(self) -> None:
         """End of backward: launch the rest, wait in order, agree on unused params, write .grad."""
         self._expect_grads = False
+        if self.static_graph and self._static_hooks is None:  # first iteration: every gradient is complete now
+            self._static_hooks = list(self._hook_counts)
+            last = {i: k for k, i in enumerate(self._hook_order)}
+            now = _now()
+            for i in sorted(last, key=last.get):
+                self._ready(i, self._params[i], now)
         missing = [i for i, seen in enumerate(self._seen) if not seen]
         # Used by this rank since the last synchronised backward (native's local used map).
         used = bytes(self._seen)

@@ -5,12 +5,16 @@ Importing `portddp.torch` under mpirun
 * sets torchrun's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from the MPI
   launcher's variables, so a script that decides "am I distributed?" from RANK
   takes its distributed path instead of silently training one model per rank;
+* sets MASTER_ADDR and MASTER_PORT, unless they are set: rank 0 picks them and
+  sends them over MPI (every rank imports at the same point, so the exchange
+  is safe; processes the script starts inherit them and exchange nothing), as
+  torchrun sets them before the script starts -- scripts read them themselves
+  (pytorch/examples' distributed/ddp/example.py does, before
+  init_process_group);
 * wraps `torch.distributed.init_process_group` so that the script's own call
-  (a) under mpirun without MASTER_ADDR/MASTER_PORT gets them from rank 0 over
-  MPI first (every rank calls it at the same point, so the exchange is safe),
-  and (b) after `portddp.init()` has created the default group adopts that
-  group instead of failing with "trying to initialize the default process
-  group twice". Any other call goes to PyTorch unchanged.
+  after `portddp.init()` has created the default group adopts that group
+  instead of failing with "trying to initialize the default process group
+  twice". Any other call goes to PyTorch unchanged.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ _log = logging.getLogger("portddp")
 
 
 def install() -> None:
-    """Export torchrun's rank variables under mpirun and wrap init_process_group (once)."""
-    launch.export_torchrun_env(rendezvous=False)
+    """Export torchrun's variables under mpirun and wrap init_process_group (once)."""
+    launch.export_torchrun_env(rendezvous=True)
     if getattr(dist.init_process_group, "__portddp__", False):
         return
     wrapped = _adopting(c10d.init_process_group)

@@ -65,6 +65,37 @@ class _StaticGraphSink(torch.autograd.Function):
         return (None, *grads)
 
 
+class _CopyCannotTrain(torch.autograd.Function):
+    """Identity whose backward refuses: the output of a copied (detached) wrapper's forward."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "backward through a copy of a portddp DistributedDataParallel (copy.deepcopy, pickle, torch.save/load): "
+            "a copy does not synchronise gradients (its communication is not copied), so each rank would train "
+            "alone. Train the original wrapper, or wrap the copy's module in a new DistributedDataParallel on every "
+            "rank (DistributedDataParallel(copy.module)); evaluating the copy (an EMA, swa_utils.AveragedModel) is "
+            "fine")
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.device, torch.dtype)
+
+
+def _plain(value) -> bool:
+    """A setting a copy can keep: plain values, and containers of them."""
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, list | tuple | set | frozenset):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
 class _JoinHook(JoinHook):
     """What a rank that ran out of inputs does inside `Join` while the others still train:
     issue the collectives of their forward and backward passes (zeros for the gradients),
@@ -89,6 +120,29 @@ class _JoinHook(JoinHook):
 
 class NativeInterface:
     """Native DDP's interface around the design (mixed into portddp.torch.DistributedDataParallel)."""
+
+    # -- copies: copy.deepcopy, pickle, torch.save(ddp)
+    def __getstate__(self) -> dict:
+        """What a copy keeps: the module (with its own copy of the parameters), nn.Module's state
+        and the plain settings scripts read (.device_ids, .static_graph, ...) -- not the
+        communication (process groups, MPI, bucket buffers, hooks), which cannot be copied. The
+        copy is detached: its forward runs the module (an EMA or
+        torch.optim.swa_utils.AveragedModel of the wrapper evaluates it, state_dict() keeps the
+        `module.` keys), and a backward through it is refused (`_CopyCannotTrain`): native's copy
+        builds a reducer of its own on the default group, portddp's would train each rank alone.
+        Wrap `copy.module` in a new DistributedDataParallel on every rank to train it."""
+        module_state = set(nn.Module().__dict__)
+        state = {k: v for k, v in self.__dict__.items() if k in module_state or _plain(v)}
+        state["_modules"] = {"module": self.module}
+        state["_detached"] = True
+        return state
+
+    def _detached_forward(self, inputs, kwargs):
+        output = self.module(*inputs, **kwargs)
+        if not torch.is_grad_enabled():
+            return output
+        return torch.utils._pytree.tree_map(
+            lambda t: _CopyCannotTrain.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
 
     def _native_arguments(self, module, device_ids, output_device, process_group, device_mesh, mixed_precision,
                           bucket_cap_mb_list, delay_all_reduce_named_params, param_to_hook_all_reduce,
@@ -330,9 +384,44 @@ class NativeInterface:
     def _queue_finalize(self) -> None:
         if not self._finalize_queued:
             watchdog.step_started()  # this iteration's collectives begin
-            # Runs once autograd has finished the whole graph.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            # Runs once autograd has finished the graph of the pass it was queued from.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._finalize_queued = True
+
+    def _end_of_backward(self) -> None:
+        """The callback `_queue_finalize` queued. A reentrant activation checkpoint
+        (`checkpoint(..., use_reentrant=True)`) runs its part of the backward as a nested pass,
+        and a gradient that arrives first inside one queues the callback there: it then runs
+        when that nested pass ends, with the outer pass -- and the other layers' gradients --
+        still to come (autograd is still evaluating the checkpoint's node). Then the iteration
+        stays open and the next gradient queues the callback again, in the pass it arrives in;
+        native's reducer, which queues its callback when the last bucket is ready, has no such
+        case."""
+        if torch._C._current_autograd_node() is not None and not all(self._seen):
+            self._finalize_queued = False
+            return
+        self._finalize()
+
+    def _in_ddp_backward(self) -> bool:
+        """Whether the running backward pass started from the output of a synchronised forward
+        of this wrapper (whose grad_fn pre-hook recorded the pass: `_mark_backward_source`)."""
+        return torch._C._current_graph_task_id() == self._ddp_backward_task
+
+    def _mark_backward_source(self, output) -> None:
+        """Have a backward pass from `output` record itself (see _in_ddp_backward): a gradient that
+        arrives outside an iteration in such a pass is a second backward through a synchronised
+        forward's graph (an error), in any other pass one of a graph built without the wrapper
+        (`ddp.module(x)`), which native ignores and leaves in .grad."""
+        ref = weakref.ref(self)
+
+        def record(_grad_outputs):
+            ddp = ref()
+            if ddp is not None:
+                ddp._ddp_backward_task = torch._C._current_graph_task_id()
+
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.register_prehook(record)
 
     def _first_order(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """backward(create_graph=True): native's behaviour -- the gradient's values are averaged,

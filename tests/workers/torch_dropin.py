@@ -9,6 +9,8 @@ the largest difference of parameters and buffers (bitwise expected at n=2)."""
 
 from __future__ import annotations
 
+import copy
+import io
 import sys
 import warnings
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.join import Join
+from torch.optim.swa_utils import AveragedModel
 
 import portddp
 from portddp.data import regression_batch
@@ -410,13 +413,109 @@ def init_and_delay(transport):
     compare("delay_all_reduce", transport, native, ours, sgd_steps(3))
 
 
+class HeadCheckpointed(nn.Module):
+    """The last layer under reentrant activation checkpointing: its gradients, the first of the
+    backward pass, arrive inside a nested pass that ends before the other layers' begin."""
+
+    def forward(self, x, use_branch=False):
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return torch.utils.checkpoint.checkpoint(self.head, h, use_reentrant=True)
+
+
+class SharedCheckpointed(nn.Module):
+    """ALBERT's shape: one layer applied twice, each time under reentrant checkpointing, so its
+    gradient hooks fire twice per backward (native supports it with static_graph=True)."""
+
+    def forward(self, x, use_branch=False):
+        h = torch.relu(self.fc1(x))
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.fc2(t)), h, use_reentrant=True)
+        return self.head(h)
+
+
+def script_patterns(transport):
+    """Patterns from public training scripts that once broke: a frozen layer with per-rank
+    initialisation (nanoGPT's seed offset: DDP broadcasts rank 0's frozen weights too), the last
+    block under reentrant checkpointing without static_graph, and accumulation micro-steps run
+    through ddp.module with the last one through the wrapper."""
+    rank = dist.get_rank()
+
+    def frozen_per_rank(m):
+        with torch.no_grad():
+            for q in m.parameters():
+                q.add_(0.01 * rank)
+        m.fc1.weight.requires_grad_(False)
+        return m
+
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB}, edit=frozen_per_rank)
+    compare("frozen_per_rank_init", transport, native, ours, sgd_steps(3))
+
+    def head_checkpointed(m):
+        m.__class__ = type("Net", (HeadCheckpointed, type(m)), {})
+        return m
+
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB}, edit=head_checkpointed)
+    compare("checkpoint_last_reentrant", transport, native, ours, sgd_steps(3))
+
+    def shared_checkpointed(m):
+        m.__class__ = type("Net", (SharedCheckpointed, type(m)), {})
+        return m
+
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB, "static_graph": True}, edit=shared_checkpointed)
+    compare("static_graph_shared_checkpointed", transport, native, ours, sgd_steps(4))
+
+    def module_microsteps(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(3):
+            opt.zero_grad()
+            loss_of(ddp.module, 2 * step, rank).backward()
+            loss_of(ddp, 2 * step + 1, rank).backward()
+            opt.step()
+
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB})
+    compare("module_microsteps", transport, native, ours, module_microsteps)
+
+    refused = []
+
+    def copies(ddp):
+        """An EMA kept with copy.deepcopy(ddp), swa_utils.AveragedModel(ddp), and a torch.save/load
+        of the wrapper: compared through the module (its parameters become EMA + SWA + loaded)."""
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        ema, swa = copy.deepcopy(ddp), AveragedModel(ddp)
+        for step in range(3):
+            opt.zero_grad()
+            loss_of(ddp, step, rank).backward()
+            opt.step()
+            swa.update_parameters(ddp)
+            with torch.no_grad():
+                for e, q in zip(ema.parameters(), ddp.parameters(), strict=True):
+                    e.lerp_(q, 0.1)
+        saved = io.BytesIO()
+        torch.save(ddp, saved)
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=False)
+        with torch.no_grad():
+            out = ema(batch(9, rank)[0]) + swa(batch(9, rank)[0]) + loaded(batch(9, rank)[0])
+            for q, e, a, l in zip(ddp.parameters(), ema.parameters(), swa.module.parameters(), loaded.parameters()):
+                q.copy_(e + a + l + out.mean())
+        if isinstance(ddp, DistributedDataParallel):  # portddp's copy refuses to train alone
+            try:
+                loss_of(ema, 0, rank).backward()
+            except RuntimeError as e:
+                refused.append("does not synchronise gradients" in str(e))
+
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB})
+    compare("copies", transport, native, ours, copies, copy_refuses_backward=lambda: refused == [True])
+
+
 def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
 
 SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
-             static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay]
+             static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
+             script_patterns]
 
 
 def main():
