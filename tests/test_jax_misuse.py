@@ -29,10 +29,13 @@ CASES = {
     "other_shapes_compiled": r"ValueError: leaf \['dec'\]\['w'\] is \(4, 3\) float32 here, but .* \(4, 2\) float32",
     "other_dtype_hooked": r"ValueError: leaf \['dec'\]\['w'\] is \(4, 2\) bfloat16 here, but .* \(4, 2\) float32",
     "reduce_inside_jit": r"ValueError: ddp\.reduce\(\) cannot run inside jax\.jit .* Call it outside jit .* with "
-                         r"sync=True \(the default\)",
+                         r"sync=True \(the default\) whose loss_fn covers every micro-batch",
     "per_rank_init_hooked": r"ValueError: parameter values differ across ranks at the first synchronised step "
                             r"\(rank 1 vs rank 0; this is rank \d\): .* call params = ddp\.broadcast\(params\)",
     "per_rank_init_compiled": r"ValueError: parameter values differ across ranks at the first synchronised step",
+    **{f"per_rank_init_reduce_{kind}": r"ValueError: parameter values differ across ranks at the first synchronised "
+       r"step \(rank 1 vs rank 0; this is rank \d\): .* call params = ddp\.broadcast\(params\)"
+       for kind in ("hooked", "compiled")},
     "per_rank_init_jitted": r"OK warned: the parameters' values differed across ranks when DistributedDataParallel "
                             r"was built \(rank 1 vs rank 0\) and broadcast\(\) was not called",
     "broadcast_then_step": r"OK loss=",
@@ -40,6 +43,9 @@ CASES = {
        (("hooked", (3, 2)), ("compiled", (3, 2)), ("compiled_reduce", (3, 2)))},
     "step_here_reduce_there_compiled": STEPS.format(2, 1),
     "same_local_steps_compiled": r"OK steps=2 max_abs=",
+    "steps_in_one_jit": r"OK max_rel=",
+    "pmap_under_mpirun": r"ValueError: strategy='pmap' maps over this process's devices only, but mpirun started 2 "
+                         r"processes: each would .* train alone\. Use strategy='hooked' or 'compiled'",
     **{f"reduce_before_any_step_{kind}": STEPS.format(1, 0) + r".* Rank\(s\) 1 reduced before running any step "
        r"\(JAX: ddp\.reduce\(\) before any grad_fn call" for kind in ("hooked", "compiled")},
     "model_grew": r"ValueError: pytree differs from the one DistributedDataParallel was built with: 2 leaves it was "

@@ -201,6 +201,8 @@ class DistributedDataParallel(DDPCommon):
         self.check_finite = config.check_finite
         self._iterations = 0  # synchronised iterations finished
         self._step_count = 0  # grad_fn calls (sync=False ones included), compared across ranks at every reduction
+        self._traced_done = None  # the last traced synchronised step's end (see _after_previous_iteration)
+        self._local_params = None  # the parameters of the last eager sync=False step, while values may differ
         self._step_counted = False  # this eager call counted already (else its traced program counts it)
         self._layout = Layout(params, order, canonical)
         specs = self._specs(params)
@@ -211,6 +213,12 @@ class DistributedDataParallel(DDPCommon):
             mine["jax"] = {"broadcast_buffers": bool(broadcast_buffers)}
             check_same_config(launch.allgather_object(mine, name="DDP construction: config check"))
         self._comm = make_comm(strategy, pmap_devices)
+        if strategy == "pmap" and (launched := launch.detect()).size > 1:
+            raise ValueError(
+                f"strategy='pmap' maps over this process's devices only, but {launched.launcher} started "
+                f"{launched.size} processes: each would average its own devices' gradients and train alone. Use "
+                "strategy='hooked' or 'compiled' (they span processes), or run pmap in one process "
+                "(python train.py, not under mpirun/torchrun)")
         self.world_size = self._comm.size
         self.rank = self._comm.rank
         self._inv_world = 1.0 / self.world_size
@@ -274,15 +282,17 @@ class DistributedDataParallel(DDPCommon):
                           f"{', '.join(map(str, differ))} vs rank 0) and broadcast() was not called since; unless "
                           f"they were made equal since, the replicas train apart: {fix}", RuntimeWarning, stacklevel=3)
             return
-        mine = _fingerprint(self._layout.leaves_of(params).values())
+        # (None: no values to compare here -- a reduce() of gradients no grad_fn call computed)
+        mine = _fingerprint(self._layout.leaves_of(params).values()) if params is not None else None
         self._issue("parameter values check")
         with watchdog.waiting():
             prints = self._comm.allgather_object(mine)
-        apart = [r for r, f in enumerate(prints) if f != prints[0]]
+        ref = next((r for r, f in enumerate(prints) if f is not None), None)
+        apart = [r for r, f in enumerate(prints) if f is not None and f != prints[ref]]
         if apart:
             raise ValueError(f"parameter values differ across ranks at the first synchronised step (rank "
-                             f"{', '.join(map(str, apart))} vs rank 0; this is rank {self.rank}): averaging gradients "
-                             f"of different models trains every replica apart. {fix}")
+                             f"{', '.join(map(str, apart))} vs rank {ref}; this is rank {self.rank}): averaging "
+                             f"gradients of different models trains every replica apart. {fix}")
 
     def _broadcast_state(self, params):
         """Rank 0's values of `params` everywhere, bucket by bucket, after agreeing again: the same
@@ -372,20 +382,24 @@ class DistributedDataParallel(DDPCommon):
 
     def reduce(self, grads):
         """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order.
-        Eager only: it runs one synchronised iteration on the host (inside jax.jit, make the last
-        micro-batch's grad_fn call with sync=True instead)."""
+        Eager only: it runs one synchronised iteration on the host (inside jax.jit, make one
+        synchronised grad_fn call whose loss_fn covers every micro-batch instead)."""
         if taps.traced(grads):
             if self.strategy == "hooked":
                 raise ValueError(
                     f"ddp.reduce() cannot run inside {taps.transformation(grads)}: it reduces the arrays it is "
                     "given on the host, once, and a trace has only placeholders. Call it outside jit on the "
-                    "gradients your jitted sync=False steps returned, or accumulate inside jit and make the last "
-                    "micro-batch's call grad_fn(params, batch) with sync=True (the default): that step reduces "
-                    "the accumulated gradients and can be traced")
+                    "gradients your jitted sync=False steps returned, or, inside jit, make one grad_fn call with "
+                    "sync=True (the default) whose loss_fn covers every micro-batch (a Python loop or lax.scan "
+                    "over them inside loss_fn, averaging their losses): its gradient is the accumulated one, "
+                    "reduced once (a sync=True call on the last micro-batch alone would reduce only that one's)")
             raise ValueError(
                 f"ddp.reduce() cannot run inside {taps.transformation(grads)}: strategy={self.strategy!r} "
                 "reduces in its own program over every rank's device, which cannot be traced into yours. Call "
                 "it outside jit on the gradients your jitted sync=False steps returned (it is compiled already)")
+        if self._values_differ:  # the first synchronised step: the parameters the sync=False steps saw
+            self._check_same_values(self._local_params, traced=False)
+        self._local_params = None
         if self._rebuild_order is not None:
             self._rebuild()
         leaves = self._layout.leaves_of(grads)
@@ -565,6 +579,8 @@ class DistributedDataParallel(DDPCommon):
                 self._step_counted = not traced
                 return self._shadow_iteration(params, state, sync)
             if not sync:
+                if self._values_differ and not traced:  # compared at the reduce() that follows
+                    self._local_params = params
                 return flax_nnx.named_errors(local_step, static, params, state, batch)
             if self.strategy != "hooked":
                 # Inside ddp.uneven() while some rank has joined: every rank runs the program that
@@ -611,8 +627,10 @@ class DistributedDataParallel(DDPCommon):
         loss_tap = taps.host_tap(taps.reporting(forward_done, errors), keep_primal=True)
 
         def finish(outs, _launched):
-            # The reduced gradients go straight into XLA's result buffers (`outs`).
-            self._finalize(outs)
+            # The reduced gradients go straight into XLA's result buffers (`outs`); the last one
+            # is the scalar the next iteration traced into the same program starts from.
+            outs[-1][...] = 0
+            self._finalize(outs[:-1])
 
         def program(static, params, state, batch):
             dead: list[int] = []  # buckets whose taps never fire: read at run time, filled at trace time
@@ -641,15 +659,28 @@ class DistributedDataParallel(DDPCommon):
             self._tracing_fired = fired = set()
             try:
                 (loss, (aux, new_state)), (_, launched) = jax.value_and_grad(tapped, argnums=(0, 1), has_aux=True)(
-                    params, jnp.float32(0), state)
+                    params, self._after_previous_iteration(), state)
             finally:
                 self._tracing_fired = None
             dead.extend(b for b in range(len(self._plan.buckets)) if b not in fired)
             # `launched` depends on every live tap's callback: this one runs after the last launch.
-            return loss, aux, new_state, self._layout.to_tree(self._plan, taps.host_call(
-                taps.reporting(finish, errors), _reduced_shapes(self._plan), launched, fills=True))
+            *reduced, self._traced_done = taps.host_call(
+                taps.reporting(finish, errors), [*_reduced_shapes(self._plan), jax.ShapeDtypeStruct((), jnp.float32)],
+                launched, fills=True)
+            return loss, aux, new_state, self._layout.to_tree(self._plan, reduced)
 
         return program
+
+    def _after_previous_iteration(self):
+        """The value a traced iteration starts from: 0, or -- when the previous synchronised step
+        was traced into the same program (two grad_fn calls in one jax.jit: steps unrolled, SAM's
+        two gradients) -- the scalar that step's last callback returns. Host callbacks run in
+        data order only, so without it the second step's could open its iteration while the
+        first one's gradients are still being reduced, mixing the two."""
+        done, self._traced_done = self._traced_done, None
+        if done is not None and taps.in_current_trace(done):
+            return done
+        return jnp.float32(0)
 
     def _check_parameters_unchanged(self, params) -> None:
         """The plan is sized for the pytree DDP was built for: another structure, shape or dtype is

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-__all__ = ["UNDER_VMAP", "checked_loss", "host_call", "host_tap", "keep_freed_memory", "reporting", "start_token",
-           "traced", "transformation"]
+__all__ = ["UNDER_VMAP", "checked_loss", "host_call", "host_tap", "in_current_trace", "keep_freed_memory", "reporting",
+           "start_token", "traced", "transformation"]
 
 UNDER_VMAP = (
     "portddp.jax grad_fn (strategy='hooked') cannot run under jax.vmap: its collectives are host callbacks "
@@ -195,6 +195,14 @@ def reporting(callback, errors: list):
             raise
 
     return run
+
+
+def in_current_trace(x) -> bool:
+    """Whether `x` is a value of the program being traced now (not of an earlier, finished trace,
+    nor of an outer one)."""
+    from jax._src import core  # noqa: PLC0415 -- no public way to ask which trace is current
+
+    return isinstance(x, core.Tracer) and x._trace is core.trace_ctx.trace
 
 
 def traced(tree) -> bool:

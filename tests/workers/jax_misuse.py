@@ -59,6 +59,40 @@ def hooked_under_scan():
     return f"max_rel={worst:.1e}"
 
 
+def steps_in_one_jit():
+    """Legal: two synchronised grad_fn calls in one jax.jit -- two SGD steps unrolled, then SAM's
+    pair (the second gradient at params moved along the first) and two micro-batches averaged --
+    give the eager calls' numbers. The second call's iteration used to open while the first one's
+    buckets were still being reduced (host callbacks run in data order only), mixing the two."""
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
+    sgd = lambda p, g: jax.tree.map(lambda a, b: a - 0.1 * b, p, g)  # noqa: E731
+
+    def unrolled(p, x0, x1):
+        p = sgd(p, grad_fn(p, x0)[1])
+        return sgd(p, grad_fn(p, x1)[1])
+
+    def sam(p, x0, x1):
+        g = grad_fn(p, x0)[1]
+        return sgd(p, grad_fn(sgd(p, jax.tree.map(lambda a: -0.5 * a, g)), x0)[1])
+
+    def two_micro(p, x0, x1):
+        return sgd(p, jax.tree.map(lambda a, b: (a + b) / 2, grad_fn(p, x0)[1], grad_fn(p, x1)[1]))
+
+    worst = 0.0
+    for fn in (unrolled, sam, two_micro):
+        eager = fn(params, batch(0), batch(1))
+        worst = max(worst, rel(jax.jit(fn)(params, batch(0), batch(1)), eager))
+    assert worst < 1e-6, worst
+    return f"max_rel={worst:.1e}"
+
+
+def pmap_under_mpirun():
+    """strategy='pmap' in a job of 2 processes: each would train alone; refused on every rank."""
+    DistributedDataParallel(init_params(), strategy="pmap")
+    return "no error"
+
+
 def hooked_vmap():
     params = init_params()
     grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
@@ -216,6 +250,15 @@ def per_rank_init(strategy, jitted=False):
     return "warned: " + "; ".join(str(w.message) for w in caught if w.category is RuntimeWarning)
 
 
+def per_rank_init_reduce(strategy):
+    """As per_rank_init, but the ranks only accumulate sync=False steps and then call reduce():
+    that reduction is the first synchronised step, refused as grad_fn's."""
+    params = jax.tree.map(lambda x: x + WORLD.rank, init_params())
+    ddp = DistributedDataParallel(params, strategy=strategy)
+    ddp.reduce(ddp.value_and_grad(loss_fn)(params, batch(0), sync=False)[1])
+    return "no error"
+
+
 def broadcast_then_step():
     """The same per-rank initialisation, then ddp.broadcast(): legal, no extra check."""
     params = jax.tree.map(lambda x: x + WORLD.rank, init_params())
@@ -257,6 +300,8 @@ CASES = {
     "other_dtype_hooked": other_dtype,
     "reduce_inside_jit": reduce_inside_jit,
     "per_rank_init_hooked": lambda: per_rank_init("hooked"),
+    "per_rank_init_reduce_hooked": lambda: per_rank_init_reduce("hooked"),
+    "per_rank_init_reduce_compiled": lambda: per_rank_init_reduce("compiled"),
     "per_rank_init_compiled": lambda: per_rank_init("compiled"),
     "per_rank_init_jitted": lambda: per_rank_init("hooked", jitted=True),
     "broadcast_then_step": broadcast_then_step,
@@ -265,6 +310,8 @@ CASES = {
     "local_step_on_one_rank_compiled_reduce": lambda: local_step_on_one_rank("compiled", then="reduce"),
     "step_here_reduce_there_compiled": lambda: local_step_on_one_rank("compiled", then="reduce_on_one_rank"),
     "same_local_steps_compiled": same_local_steps_compiled,
+    "steps_in_one_jit": steps_in_one_jit,
+    "pmap_under_mpirun": pmap_under_mpirun,
     "reduce_before_any_step_hooked": lambda: reduce_before_any_step("hooked"),
     "reduce_before_any_step_compiled": lambda: reduce_before_any_step("compiled"),
     "model_grew": model_grew,
