@@ -203,6 +203,7 @@ class DistributedDataParallel(DDPCommon):
         self._step_count = 0  # grad_fn calls (sync=False ones included), compared across ranks at every reduction
         self._traced_done = None  # the last traced synchronised step's end (see _after_previous_iteration)
         self._local_params = None  # the parameters of the last eager sync=False step, while values may differ
+        self._buffers_agreed = False  # compiled: buffer specs compared across ranks (first synchronised step)
         self._step_counted = False  # this eager call counted already (else its traced program counts it)
         self._layout = Layout(params, order, canonical)
         specs = self._specs(params)
@@ -548,6 +549,8 @@ class DistributedDataParallel(DDPCommon):
             traced = taps.traced((params, state, batch))
             if sync and self._values_differ:
                 self._check_same_values(params, taps.traced(params))
+            if sync and self.strategy == "compiled" and not self._buffers_agreed and self._will_sync_buffers(state):
+                self._check_same_buffers(state[0])
             self._step_count += not traced  # (traced: counted when the program runs, by _begin_iteration)
             if traced and not sync:  # an accumulation step inside the caller's jit: counted when it runs
                 taps.host_call(taps.reporting(self._count_step, self._callback_errors),
@@ -692,6 +695,20 @@ class DistributedDataParallel(DDPCommon):
         return (state is not None and self.broadcast_buffers and self.world_size > 1
                 and bool(jax.tree.leaves(state[0])))
 
+    def _check_same_buffers(self, buffers) -> None:
+        """strategy='compiled', first synchronised step: the buffers rank 0 broadcasts inside the
+        program must have the same paths, shapes and dtypes everywhere (XLA's broadcast of
+        mismatched ones aborts the process). The hooked strategy's Bcast, which a PyTorch rank
+        may share, names a mismatch when it fails instead (_sync_buffers)."""
+        self._buffers_agreed = True
+        mine = [(jax.tree_util.keystr(path), tuple(jnp.shape(x)), str(jnp.result_type(x)))
+                for path, x in jax.tree_util.tree_flatten_with_path(buffers)[0]]
+        self._issue("buffer check")
+        with watchdog.waiting():
+            everyone = self._comm.allgather_object(mine)
+        check_same_specs(everyone, "model buffers (non-Param state, e.g. BatchStat) differ across ranks", "buffer",
+                         "buffers")
+
     def _sync_buffers(self, leaves, synchronises: bool = True) -> list[np.ndarray]:
         """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast with a header
         saying which step they were sent for, checked by the receivers (portddp.protocol)."""
@@ -702,7 +719,15 @@ class DistributedDataParallel(DDPCommon):
             header = np.array(mine, np.int64)
             self._issue("buffer broadcast")
             with watchdog.waiting():
-                self._comm.broadcast_([*arrays, header], src=0)
+                try:
+                    self._comm.broadcast_([*arrays, header], src=0)
+                except Exception as e:  # (a size mismatch is MPI's truncation error on a receiver)
+                    shapes = ", ".join(f"{a.shape} {a.dtype}" for a in arrays)
+                    raise RuntimeError(
+                        f"broadcast of rank 0's buffers (non-Param state, e.g. BatchStat) failed on rank {self.rank} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); this rank's buffers are {len(arrays)} array(s): {shapes}. "
+                        "Every rank must build the same model (the same buffers); call ddp.broadcast(model) once "
+                        "after building DistributedDataParallel to compare them and start from rank 0's") from e
             if self.rank != 0:
                 check_buffer_sync_header(header.tolist(), mine, 0, self.rank)
         return arrays

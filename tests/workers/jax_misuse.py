@@ -227,6 +227,25 @@ def model_grew():
     grad_fn(model, batch(1))
 
 
+def buffers_differ_compiled():
+    """strategy='compiled', a BatchStat of another shape on rank 1 and no ddp.broadcast(model):
+    named on every rank before the program runs (XLA's broadcast of it aborted the process)."""
+    from flax import nnx  # noqa: PLC0415
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 2, rngs=rngs)
+            self.stat = nnx.BatchStat(jnp.zeros(3 + WORLD.rank))
+
+        def __call__(self, x):
+            return self.l1(x) + self.stat.value.sum()
+
+    model = Net(nnx.Rngs(0))
+    grad_fn = DistributedDataParallel(model, strategy="compiled").nnx_value_and_grad(lambda m, x: jnp.mean(m(x)))
+    grad_fn(model, batch(0))
+    return "no error"
+
+
 def other_containers():
     """The same leaf paths in other containers (a tuple where DDP was built with a list)."""
     params = [jnp.ones((4, 2), jnp.float32), jnp.zeros(2, jnp.float32)]
@@ -312,6 +331,7 @@ CASES = {
     "same_local_steps_compiled": same_local_steps_compiled,
     "steps_in_one_jit": steps_in_one_jit,
     "pmap_under_mpirun": pmap_under_mpirun,
+    "buffers_differ_compiled": buffers_differ_compiled,
     "reduce_before_any_step_hooked": lambda: reduce_before_any_step("hooked"),
     "reduce_before_any_step_compiled": lambda: reduce_before_any_step("compiled"),
     "model_grew": model_grew,
