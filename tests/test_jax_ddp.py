@@ -112,6 +112,8 @@ BAD = [
     ("pmap_too_many_devices", r"strategy='pmap' asked for 4 devices but this process has 1: set "
                               r"XLA_FLAGS=--xla_force_host_platform_device_count=4"),
     ("integer_leaf", r"leaf \['enc'\]\['step'\] has dtype int32, which has no gradient"),
+    ("python_float_leaf", r"leaf \['enc'\]\['scale'\] is a Python float, not an array: make it one"),
+    ("complex_leaf", r"leaf \['enc'\]\['phase'\] is complex \(complex64\): portddp\.jax reduces real"),
     ("loss_not_scalar", r"loss_fn must return a scalar; '<lambda>' returned shape \(3, 4\)"),
     ("cap_differs", r"DistributedDataParallel arguments differ across ranks: bucket_cap_mb is 25\.0 on rank 0 but "
                     r"5\.0 on rank 1; every rank must pass the same bucket_cap_mb"),

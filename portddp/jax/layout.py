@@ -51,6 +51,12 @@ class Layout:
         leaves = [leaf for _, leaf in paths]
         if not leaves:
             raise ValueError("DistributedDataParallel needs a pytree with at least one array leaf")
+        scalars = [(n, type(x).__name__) for n, x in zip(self.leaf_names, leaves) if not hasattr(x, "dtype")]
+        if scalars:
+            raise ValueError(
+                f"leaf {scalars[0][0]} is a Python {scalars[0][1]}, not an array: make it one (jnp.asarray(value, "
+                "jnp.float32)) if it is a parameter, or keep it out of the parameter pytree (a constant: in the "
+                "closure of loss_fn or in the batch)")
         keys = [n for n, x in zip(self.leaf_names, leaves) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
         if keys:
             raise ValueError(
@@ -59,6 +65,12 @@ class Layout:
                 "pass nnx.state(model, nnx.Param) or the model itself)")
         not_float = [(n, np.dtype(x.dtype).name) for n, x in zip(self.leaf_names, leaves)
                      if not jnp.issubdtype(x.dtype, jnp.floating)]
+        complex_ = [n for n, x in zip(self.leaf_names, leaves) if jnp.issubdtype(x.dtype, jnp.complexfloating)]
+        if complex_:
+            raise ValueError(
+                f"leaf {complex_[0]} is complex ({np.dtype(leaves[self.leaf_names.index(complex_[0])].dtype).name}): "
+                "portddp.jax reduces real floating-point parameters only; keep the real and imaginary parts as two "
+                "real leaves (and build the complex value inside loss_fn)")
         if not_float:
             raise ValueError(
                 f"leaf {not_float[0][0]} has dtype {not_float[0][1]}, which has no gradient: pass only the "

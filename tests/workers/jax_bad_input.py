@@ -52,6 +52,12 @@ def run(case: str) -> None:
     elif case == "integer_leaf":
         params["enc"]["step"] = jnp.zeros((), jnp.int32)
         DistributedDataParallel(params)
+    elif case == "python_float_leaf":
+        params["enc"]["scale"] = 1.5
+        DistributedDataParallel(params)
+    elif case == "complex_leaf":
+        params["enc"]["phase"] = jnp.zeros(3, jnp.complex64)
+        DistributedDataParallel(params)
     elif case == "loss_not_scalar":
         ddp = DistributedDataParallel(params)
         ddp.value_and_grad(lambda p, x: x @ p["enc"]["w"])(params, jnp.ones((3, 4)))
