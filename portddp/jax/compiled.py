@@ -152,8 +152,12 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
         (loss, (aux, new_state)), grads = jax.value_and_grad(
             lambda p: fn(static, p, state, batch), has_aux=True)(params)
         if jax.tree.structure(new_state) != jax.tree.structure(state) or _key_impls(new_state) != impls:
-            raise ValueError("the step changed the structure of the model's state (a Variable added or removed, "
-                             "or an RNG key replaced by another kind): it must keep the same structure")
+            raise ValueError(
+                f"strategy={strategy!r}: the step changed the structure of the model's state (a Variable added or "
+                "removed -- e.g. values stored with Module.sow, an nnx.Intermediate -- or an RNG key replaced by "
+                "another kind): a compiled step's state must keep its structure. Take sown values out inside "
+                "loss_fn (nnx.pop(model, nnx.Intermediate), returned as aux with has_aux=True), or use "
+                "strategy='hooked'")
         new_state = _keys_as_data(new_state, impls)
         if scale is not None:  # ddp.uneven(): a joined rank (scale 0) adds zeros, whatever its forward gave
             grads = jax.tree.map(lambda g: jnp.where(scale[0] > 0, g, jnp.zeros_like(g)), grads)
