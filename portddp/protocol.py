@@ -55,7 +55,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["SHADOW", "buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_hook",
+__all__ = ["SHADOW", "buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_frozen",
+           "check_same_hook",
            "check_same_specs", "check_same_step", "hook_result_error", "nonfinite_error", "step_slot",
            "unused_parameters_error"]
 
@@ -158,6 +159,17 @@ def nonfinite_error(everyone: Sequence[Sequence[str]], rank: int) -> FloatingPoi
         f"non-finite gradients (NaN or Inf) found by check_finite -- {where} (this is rank {rank}). .grad was "
         "left as it was; look at the loss and the inputs of those ranks, lower the learning rate, or skip the step"
     )
+
+
+def check_same_frozen(everyone: Sequence[Sequence]) -> None:
+    """The third item of the model check (a PyTorch rank's frozen parameters, sent when it is about
+    to broadcast them; a JAX rank has none and sends two items): every rank, of either framework,
+    raises alike if the lists differ, before any rank broadcasts them."""
+    lists = [e[2] if len(e) > 2 and e[2] is not None else None for e in everyone]
+    if all(x is None for x in lists):
+        return
+    check_same_specs([x or [] for x in lists], "model mismatch across ranks", "frozen parameter",
+                     "frozen (requires_grad=False) parameters")
 
 
 SHADOW = 0  # the step slot of a rank that shadows the others in join(): not compared

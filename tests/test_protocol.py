@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_same_config,
-                              check_same_hook, check_same_specs, check_same_step, nonfinite_error, step_slot,
-                              unused_parameters_error)
+                              check_same_frozen, check_same_hook, check_same_specs, check_same_step,
+                              nonfinite_error, step_slot, unused_parameters_error)
 
 CONFIG = {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0, "transport": "mpi", "check_finite": False}
 
@@ -207,6 +207,18 @@ def test_check_steps_zero_turns_the_check_off(monkeypatch):
     monkeypatch.setenv("PORTDDP_CHECK_STEPS", "1")
     with pytest.raises(RuntimeError, match="different steps"):
         check_same_step(slots(3, 2), rank=0)
+
+
+# ---- check_same_frozen
+
+def test_frozen_lists_compared_only_when_a_pytorch_rank_sends_them():
+    """A JAX rank sends [specs, fingerprint]; a PyTorch rank about to broadcast its frozen
+    parameters adds their list: compared as an empty list on the JAX rank (mixed jobs)."""
+    check_same_frozen([[[], None], [[], "digest"]])  # nobody sent frozen parameters
+    check_same_frozen([[[], None, []], [[], "digest"]])  # a PyTorch rank with none, a JAX rank
+    check_same_frozen([[[], None, [("w", (2,), "float32")]], [[], None, [("w", (2,), "float32")]]])
+    with pytest.raises(ValueError, match=r"rank 0 has 1 frozen \(requires_grad=False\) parameters, rank 1 has 0"):
+        check_same_frozen([[[], None, [("w", (2,), "float32")]], [[], "digest"]])
 
 
 # ---- check_same_hook

@@ -64,7 +64,7 @@ from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
-from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
+from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_frozen,
                               check_same_step, check_same_specs, hook_result_error, nonfinite_error, step_slot,
                               unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
@@ -263,6 +263,7 @@ class DistributedDataParallel(DDPCommon):
         with watchdog.waiting():
             everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], fingerprint])
         check_same_specs([e[0] for e in everyone], "parameter pytrees differ across ranks", "leaf", "leaves")
+        check_same_frozen(everyone)  # (a PyTorch rank's frozen parameters, in a mixed job: a JAX rank has none)
         prints = [e[1] for e in everyone]  # (None from a PyTorch rank, or for abstract parameters: not compared)
         if None not in prints:
             self._values_differ = [r for r, f in enumerate(prints) if f != prints[0]]

@@ -62,8 +62,8 @@ from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
 from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_same_config,
-                              check_same_step, check_same_specs, hook_result_error, nonfinite_error, step_slot,
-                              unused_parameters_error)
+                              check_same_frozen, check_same_step, check_same_specs, hook_result_error,
+                              nonfinite_error, step_slot, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
 from portddp.torch.native import NativeInterface, _done, registrations
@@ -339,9 +339,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
             everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine])
         check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters")
-        if frozen:
-            check_same_specs([e[2] for e in everyone], "model mismatch across ranks", "frozen parameter",
-                             "frozen (requires_grad=False) parameters")
+        check_same_frozen(everyone)
 
     def _frozen_named(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.module.named_parameters()
