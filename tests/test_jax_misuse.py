@@ -46,6 +46,8 @@ CASES = {
     "steps_in_one_jit": r"OK max_rel=",
     "buffers_differ_compiled": r"ValueError: model buffers \(non-Param state, e\.g\. BatchStat\) differ across ranks: "
                                r"buffer #0 is \['stat'\]\.value \(3,\) float32 on rank 0 but \['stat'\]\.value \(4,\)",
+    "differentiate_grad_fn": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) cannot be differentiated "
+                             r"\(a gradient of its gradients: MAML.*Put the inner derivative inside loss_fn",
     "pmap_under_mpirun": r"ValueError: strategy='pmap' maps over this process's devices only, but mpirun started 2 "
                          r"processes: each would .* train alone\. Use strategy='hooked' or 'compiled'",
     **{f"reduce_before_any_step_{kind}": STEPS.format(1, 0) + r".* Rank\(s\) 1 reduced before running any step "

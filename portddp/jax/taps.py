@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-__all__ = ["UNDER_VMAP", "checked_loss", "host_call", "host_tap", "in_current_trace", "keep_freed_memory", "reporting",
+__all__ = ["UNDER_JVP", "UNDER_VMAP", "checked_loss", "host_call", "host_tap", "in_current_trace", "keep_freed_memory", "reporting",
            "start_token", "traced", "transformation"]
 
 UNDER_VMAP = (
@@ -60,7 +60,22 @@ def host_call(callback, result, *args, fills: bool = False):
     def _refuse(axis_size, in_batched, *args):
         raise ValueError(UNDER_VMAP)
 
-    return call(*args)
+    # Differentiating through a callback (a gradient of grad_fn's gradients: MAML, a gradient
+    # penalty) would need the host's collectives differentiated too: refused in portddp's words.
+    guarded = jax.custom_jvp(call)
+    guarded.defjvp(_refuse_jvp)
+    return guarded(*args)
+
+
+UNDER_JVP = (
+    "portddp.jax grad_fn (strategy='hooked') cannot be differentiated (a gradient of its gradients: MAML, a "
+    "gradient penalty, jax.hessian): its collectives are host callbacks, which JAX cannot differentiate. Put "
+    "the inner derivative inside loss_fn with plain jax.grad (MAML's inner step, the penalty's gradient), so "
+    "that grad_fn differentiates and averages only the outer loss")
+
+
+def _refuse_jvp(primals, tangents):
+    raise ValueError(UNDER_JVP)
 
 
 class _InPlace:

@@ -93,6 +93,16 @@ def pmap_under_mpirun():
     return "no error"
 
 
+def differentiate_grad_fn():
+    """MAML's outer gradient taken through a hooked grad_fn: refused in portddp's words (JAX said
+    "Buffer callbacks do not support JVP")."""
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
+    outer = lambda p: loss_fn(jax.tree.map(lambda a, b: a - 0.1 * b, p, grad_fn(p, batch(0))[1]), batch(1))  # noqa: E731
+    jax.grad(outer)(params)
+    return "no error"
+
+
 def hooked_vmap():
     params = init_params()
     grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
@@ -331,6 +341,7 @@ CASES = {
     "same_local_steps_compiled": same_local_steps_compiled,
     "steps_in_one_jit": steps_in_one_jit,
     "pmap_under_mpirun": pmap_under_mpirun,
+    "differentiate_grad_fn": differentiate_grad_fn,
     "buffers_differ_compiled": buffers_differ_compiled,
     "reduce_before_any_step_hooked": lambda: reduce_before_any_step("hooked"),
     "reduce_before_any_step_compiled": lambda: reduce_before_any_step("compiled"),
