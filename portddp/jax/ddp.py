@@ -724,9 +724,10 @@ class DistributedDataParallel(DDPCommon):
                     self._comm.broadcast_([*arrays, header], src=0)
                 except Exception as e:  # (a size mismatch is MPI's truncation error on a receiver)
                     shapes = ", ".join(f"{a.shape} {a.dtype}" for a in arrays)
+                    first = str(e).splitlines()[0] if str(e) else repr(e)
                     raise RuntimeError(
                         f"broadcast of rank 0's buffers (non-Param state, e.g. BatchStat) failed on rank {self.rank} "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); this rank's buffers are {len(arrays)} array(s): {shapes}. "
+                        f"({type(e).__name__}: {first}); this rank's buffers are {len(arrays)} array(s): {shapes}. "
                         "Every rank must build the same model (the same buffers); call ddp.broadcast(model) once "
                         "after building DistributedDataParallel to compare them and start from rank 0's") from e
             if self.rank != 0:
@@ -877,7 +878,7 @@ class DistributedDataParallel(DDPCommon):
         flags = np.concatenate([np.ones(n, np.int32), self._nonfinite if self.check_finite else np.zeros(0, np.int32)])
         # A deferred gather reads the other ranks' buckets: the used counts, whose all-reduce lets
         # every rank go on to reuse its buckets, wait for it; otherwise they travel behind the buckets.
-        used = None if self._defer_gather else self._exchange_used(flags, step_slot(self._step_count))
+        used = None if self._defer_gather else self._exchange_used(flags)
         issued = used is not None
         try:
             with watchdog.waiting():
@@ -894,7 +895,7 @@ class DistributedDataParallel(DDPCommon):
                         start += count
                 if used is None:
                     issued = True
-                    used = self._exchange_used(flags, step_slot(self._step_count))
+                    used = self._exchange_used(flags)
                 totals = used.wait()
         except BaseException:
             if not issued:  # failed before the used counts (some buckets may be gathered already, later ones
@@ -903,7 +904,7 @@ class DistributedDataParallel(DDPCommon):
                     self._comm.discard(buf)
                 # (waited for before this rank writes a bucket again: peers may still be gathering from it)
                 with contextlib.suppress(Exception):  # (the first error is the one to report)
-                    self._stale_used = self._exchange_used(flags, step_slot(self._step_count))
+                    self._stale_used = self._exchange_used(flags)
             raise
         watchdog.step_finished()  # every collective of the iteration is done (errors below are every rank's)
         self._events.finalize_end_ns = _now()
@@ -917,13 +918,13 @@ class DistributedDataParallel(DDPCommon):
         if totals[n:-self.world_size].any():
             self._raise_nonfinite()
 
-    def _exchange_used(self, flags: np.ndarray, slot: int) -> Handle:
+    def _exchange_used(self, flags: np.ndarray) -> Handle:
         """How many ranks produced each gradient (and found it non-finite), and each rank's step
         slot in its own place (protocol.step_slot): one small all-reduce that lets every rank fail
         together."""
         used = np.zeros(len(flags) + self.world_size, np.int32)
         used[:len(flags)] = flags
-        used[len(flags) + self.rank] = slot
+        used[len(flags) + self.rank] = step_slot(self._step_count)
         if self.world_size == 1:
             return Handle.completed(used)
         self._issue("used-count")

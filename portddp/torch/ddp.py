@@ -246,8 +246,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         named = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         self._module_buffers = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
-        self._frozen = [p for n, p in module.named_parameters()  # watched: unfrozen later, they would train alone
-                        if not p.requires_grad and n not in self.parameters_to_ignore]
+        self._frozen = [p for _, p in self._frozen_named()]  # watched: unfrozen later, they would train alone
         self._registrations = registrations()  # parameters, buffers, modules (re)assigned so far
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -333,8 +332,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """Compare every rank's parameter list (and, with `frozen`, its frozen parameters') with
         rank 0's; name the first difference."""
         self._issue("model check")
-        mine = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self._frozen_named()] \
-            if frozen else None
+        mine = [(n, tuple(p.shape), _dtype_name(p.dtype)) for n, p in self._frozen_named()] if frozen else None
         with watchdog.waiting():
             # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
             everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine])
@@ -728,7 +726,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # With check_finite the same collective also counts, per parameter, the ranks whose
         # gradient held a NaN or Inf (a second half of the vector).
         flags = used + (bytes(self._nonfinite) if self.check_finite else b"")
-        used_fut = self._exchange_used(flags, step_slot(self._step_count)) if early else None
+        used_fut = self._exchange_used(flags) if early else None
         # As native's reducer does, a bucket's mean goes back to .grad as soon as it is reduced,
         # while the later buckets are still on the wire -- for the parameters this rank has a
         # gradient of (used at least here; the rest wait for the counts). Not with check_finite,
@@ -743,7 +741,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                     self._write_grads([i for i in self._plan.buckets[b].params if self._seen[i]])
             if not early:
                 delayed = self._launch_delayed()
-                used_fut = self._exchange_used(flags, step_slot(self._step_count))
+                used_fut = self._exchange_used(flags)
             if delayed is not None:
                 self._write_delayed(delayed)
             totals = used_fut.wait().tolist()
@@ -767,13 +765,13 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._raise_nonfinite()
         self._write_grads([i for i, c in enumerate(counts) if c and not (early_write and self._seen[i])])
 
-    def _exchange_used(self, flags: bytes, slot: int):
+    def _exchange_used(self, flags: bytes, shadow: bool = False):
         """How many ranks produced each gradient (and found it non-finite), and each rank's step
-        slot in its own place (protocol.step_slot; SHADOW: not compared): one small all-reduce that
-        lets every rank fail together."""
+        slot in its own place (protocol.step_slot; a join() shadow's SHADOW is not compared): one
+        small all-reduce that lets every rank fail together."""
         used = torch.zeros(len(flags) + self.world_size, dtype=torch.int32)
         used[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
-        used[len(flags) + self.rank] = slot
+        used[len(flags) + self.rank] = SHADOW if shadow else step_slot(self._step_count)
         if self.world_size == 1:
             return _done(used)
         self._issue("used-count")
@@ -839,7 +837,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # reduction (kept up to date by every shadow one): what was used then counts as used now,
         # so the others write zeros (their mean) into those .grad rather than leaving them alone.
         used = self._used_last if self.find_unused_parameters else bytes(len(self._params))
-        used_fut = self._exchange_used(used + (bytes(len(self._params)) if self.check_finite else b""), SHADOW)
+        used_fut = self._exchange_used(used + (bytes(len(self._params)) if self.check_finite else b""),
+                                       shadow=True)
         with watchdog.waiting():
             for fut in futures:
                 fut.wait()
