@@ -12,20 +12,29 @@ it offers), a scratch area and an arena that `empty()` allocates buffers from. O
    arena is used where it lies -- zero copy --, any other buffer is first copied into scratch)
    and bumps its counter;
 2. once every peer's counter has moved, local rank r sums slice r (1/L of the elements) straight
-   from every peer's memory, in local-rank order, into its own data (across hosts it then
-   all-reduces that slice with the ranks of the same local rank on the other hosts, over MPI);
-3. counters again; each rank copies the other slices' results from their owners into its buffer;
-4. counters again, so that no rank reuses its buffer while a peer still reads it.
+   from every peer's memory, in local-rank order (each part times `scale` first, when given),
+   and writes the sum into slice r of its own data and of every peer's (across hosts it first
+   all-reduces the slice with the ranks of the same local rank on the other hosts, over MPI). It
+   sums a cache-sized chunk at a time, so the copies to the peers read what is still in cache:
+   per rank, each element of its slice is read once per rank and written once per rank -- the
+   least any all-reduce that leaves the sum in every rank's own memory can do;
+3. counters again: every rank's data holds the whole sum, and no rank reads a peer's memory
+   any more, so each may reuse its buffer at once (a rank that copied into scratch copies the
+   sum out of it).
 
-`allreduce(buf, defer_gather=True)` (a buffer from the arena) leaves step 3's copies for later:
-the counters move exactly as above, so the ranks' protocol is the same whether a rank defers or
-not, but this rank's buffer then holds only its own slice of the sum until `gather(buf, dests)`
-copies every slice, straight from its owner's segment, into `dests` -- portddp.jax writes the
-reduced gradients into XLA's result buffers that way, one copy fewer. (A chunk whose data lies
-in some rank's scratch, not its arena, is gathered at once: that rank's next all-reduce
-overwrites its scratch.) Between the two a peer reads nothing of ours, but we read its buffer:
-the caller must not let any peer reuse its buffer in between (portddp.jax gathers before the
-iteration's used-count all-reduce, which every rank finishes before it writes a bucket again).
+`allreduce(buf, defer_gather=True)` (a buffer from the arena) asks the peers not to write the
+sum into this rank's buffer: it then holds only its own slice until `gather(buf, dests)` copies
+every slice, straight from its owner's segment, into `dests` -- portddp.jax writes the reduced
+gradients into XLA's result buffers that way, one copy fewer. (When some rank's data lies in its
+scratch, not its arena, every rank receives the whole sum: that rank's next all-reduce
+overwrites its scratch.) Until the gather we read the owners' buffers: the caller must not let
+any peer reuse its buffer in between (portddp.jax gathers before the iteration's used-count
+all-reduce, which every rank finishes before it writes a bucket again).
+
+`scale` (float32/float64): the mean instead of the sum, as DDP wants it, computed as each part
+times `scale`, then summed -- bitwise what dividing every rank's buffer before the all-reduce
+gives (`x * scale` in the buffer's dtype, numpy's and torch's alike), without a pass of its own
+over the buffer.
 
 Nothing spins: a rank whose peer is not there yet sleeps in the kernel (a futex on the peer's
 counter, woken by the peer's store; a sleeping poll where futexes are unavailable).
@@ -219,17 +228,20 @@ class ShmAllreduce:
         self.wall_waiting += time.perf_counter() - t0
 
     # -- the all-reduce --------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> np.ndarray:
-        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. With
-        `defer_gather` and `buf` in the arena, `buf` holds only this rank's slice of the sum
-        afterwards: `gather(buf, dests)` must follow (see the module's account). A buffer whose
-        deferred gather never ran (its iteration failed) is simply reduced again: the gather is
-        forgotten."""
+    def allreduce(self, buf: np.ndarray, defer_gather: bool = False, scale: float | None = None) -> np.ndarray:
+        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. `scale`
+        (float32/float64 only, the same on every rank): each rank's part times `scale`, summed --
+        the mean with scale = 1/n. With `defer_gather` and `buf` in the arena, `buf` holds only
+        this rank's slice of the sum afterwards: `gather(buf, dests)` must follow (see the
+        module's account). A buffer whose deferred gather never ran (its iteration failed) is
+        simply reduced again: the gather is forgotten."""
         if not buf.flags.c_contiguous:
             raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
         flat = buf.reshape(-1)
         if flat.dtype.name not in _DTYPES:
             raise TypeError(f"no shared-memory sum for dtype {flat.dtype}")
+        if scale is not None and flat.dtype.name not in ("float32", "float64"):
+            raise TypeError(f"a scaled shared-memory sum is float32/float64 only, not {flat.dtype}")
         key = (flat.ctypes.data, flat.nbytes)
         self._pending.pop(key, None)  # a gather that never ran (its iteration failed): this sum replaces it
         item = flat.dtype.itemsize
@@ -239,8 +251,8 @@ class ShmAllreduce:
         chunks = []
         for start in range(0, max(flat.size, 1), chunk):
             part = flat[start:start + chunk]
-            views, bounds = self._one(part, None if home is None else home + start * item, gather=not defer)
-            chunks.append((start, views, bounds))  # views None: gathered into buf already
+            views, bounds = self._one(part, None if home is None else home + start * item, defer, scale)
+            chunks.append((start, views, bounds))  # views None: the whole sum is in buf already
         if defer:
             self._pending[key] = chunks
         return buf
@@ -264,43 +276,51 @@ class ShmAllreduce:
                 if b > a:
                     scatter_into(dests, start + a, views[j][a:b])
 
-    def _one(self, part: np.ndarray, offset: int | None, gather: bool = True) -> tuple[list, list[int]]:
+    def _one(self, part: np.ndarray, offset: int | None, defer: bool, scale: float | None
+             ) -> tuple[list | None, list[int]]:
         me, n = self.local_rank, self.local_size
         dtype, count = part.dtype, part.size
-        if offset is None:  # copy into my scratch
+        scratch = offset is None
+        if scratch:  # copy into my scratch
             offset = _HEADER
             self._view(me, offset, dtype, count)[...] = part
-        self._desc[me][:4] = (offset, part.nbytes, _DTYPES.index(dtype.name), count)
+        code = _DTYPES.index(dtype.name)
+        scale_bits = 0 if scale is None else int(np.float64(scale).view(np.int64))
+        self._desc[me][:6] = (offset, part.nbytes, code, count, int(defer), scale_bits)
         self._signal()
         self._wait_peers()
-        views, offsets = [], []
-        for j in range(n):
-            off, nbytes, code, cnt = (int(x) for x in self._desc[j][:4])
-            offsets.append(off)
-            if nbytes != part.nbytes or code != _DTYPES.index(dtype.name) or cnt != count:
-                raise RuntimeError(f"local rank {j} all-reduces {cnt} x {_DTYPES[code]} while local rank {me} "
+        descs = [[int(x) for x in self._desc[j][:6]] for j in range(n)]
+        views = []
+        for j, (off, nbytes, their_code, cnt, _, their_scale) in enumerate(descs):
+            if nbytes != part.nbytes or their_code != code or cnt != count:
+                raise RuntimeError(f"local rank {j} all-reduces {cnt} x {_DTYPES[their_code]} while local rank {me} "
                                    f"all-reduces {count} x {dtype.name}: the ranks issue different collectives")
+            if their_scale != scale_bits:
+                raise RuntimeError(f"local rank {j} scales its all-reduce by {_scale_name(their_scale)} while local "
+                                   f"rank {me} scales it by {_scale_name(scale_bits)}: the ranks disagree on the "
+                                   "mean's divisor")
             views.append(self._view(j, off, dtype, count))
+        # A rank whose data lies in its scratch overwrites it in its next all-reduce: then every
+        # rank receives the whole sum now, whatever it asked.
+        any_scratch = min(d[0] for d in descs) < self._arena_lo
+        peers = [j for j in range(n) if j != me and (not descs[j][4] or any_scratch)]  # those that receive the sum
         bounds = _bounds(count, n, dtype.itemsize)
         lo, hi = bounds[me], bounds[me + 1]
-        mine = views[me][lo:hi]
         if hi > lo:
-            _sum_into(mine, [v[lo:hi] for v in views], me)
-        if self.cross is not None:
-            self._cross_allreduce(mine)
+            parts = [v[lo:hi] for v in views]
+            if self.cross is None:
+                _reduce_into([parts[me]] + [parts[j] for j in peers], parts, scale, me)
+            else:  # my slice of the host's sum, then summed over the hosts, then shared within the host
+                _reduce_into([parts[me]], parts, scale, me)
+                self._cross_allreduce(parts[me])
+                for j in peers:
+                    parts[j][...] = parts[me]
         self._signal()
         self._wait_peers()
-        out = part if part.ctypes.data != views[me].ctypes.data else None
-        # A peer's data in its scratch (not from its arena) is overwritten by its next all-reduce:
-        # gather from it now, whatever was asked.
-        gather = gather or min(offsets) < self._arena_lo
-        for j in range(n if gather else 0):
-            a, b = bounds[j], bounds[j + 1]
-            if b > a and (j != me or out is not None):
-                (out if out is not None else views[me])[a:b] = views[j][a:b]
-        self._signal()
-        self._wait_peers()
-        return (None if gather else views), bounds
+        if scratch:
+            part[...] = views[me]
+        whole = not defer or any_scratch  # my buffer holds the whole sum
+        return (None if whole else views), bounds
 
     def _cross_allreduce(self, mine: np.ndarray) -> None:
         MPI = self._MPI
@@ -377,20 +397,42 @@ def _bounds(count: int, n: int, itemsize: int) -> list[int]:
     return [min(units * j // n * step, count) for j in range(n)] + [count]
 
 
-def _sum_into(out: np.ndarray, parts: list[np.ndarray], me: int) -> None:
-    """out = ((parts[0] + parts[1]) + parts[2]) + ..., where out is parts[me]'s memory."""
-    half = out.dtype.name in ("float16", "bfloat16")
+_CHUNK_BYTES = 1 << 20  # summed a chunk at a time: the copies to the peers read it from cache
+
+
+def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], scale: float | None, me: int) -> None:
+    """Every array of `dests` = ((parts[0] + parts[1]) + parts[2]) + ... (each part times `scale`
+    first, when given). `dests` includes parts[me], which is read before it is written."""
+    half = parts[0].dtype.name in ("float16", "bfloat16")
     add = _half_add if half else np.add
-    if me <= 1:  # parts[me] is consumed by the first addition, so accumulate in place
-        add(parts[0], parts[1], out)
+    if scale is None and dests == [parts[me]] and me <= 1:  # in place: parts[me] is consumed by the first addition
+        add(parts[0], parts[1], parts[me])
         for p in parts[2:]:
-            add(out, p, out)
+            add(parts[me], p, parts[me])
         return
-    acc = np.empty_like(out)
-    add(parts[0], parts[1], acc)
-    for p in parts[2:]:
-        add(acc, p, acc)
-    out[...] = acc
+    count = parts[0].size
+    step = max(_CHUNK_BYTES // parts[0].itemsize, 1)
+    acc = np.empty(min(step, count), parts[0].dtype)
+    tmp = np.empty_like(acc) if scale is not None else None
+    for a in range(0, count, step):
+        b = min(a + step, count)
+        s = acc[:b - a]
+        if scale is None:
+            add(parts[0][a:b], parts[1][a:b], s)
+            for p in parts[2:]:
+                add(s, p[a:b], s)
+        else:
+            t = tmp[:b - a]
+            np.multiply(parts[0][a:b], scale, out=s)
+            for p in parts[1:]:
+                np.multiply(p[a:b], scale, out=t)
+                np.add(s, t, out=s)
+        for d in dests:
+            d[a:b] = s
+
+
+def _scale_name(bits: int) -> str:
+    return "nothing" if bits == 0 else repr(float(np.int64(bits).view(np.float64)))
 
 
 def scatter_into(dests: list[tuple[int, np.ndarray]], start: int, src: np.ndarray) -> None:

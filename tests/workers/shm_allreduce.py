@@ -79,6 +79,7 @@ def main():
         t.allreduce(bigw).wait(timeout=120)
         emit(rank, "chunked-zero-copy", bool(np.all(bigw == total)))
     deferred_gathers(t, ref_comm, rank, n, exact)
+    scaled(t, ref_comm, rank, n, exact)
     # non-contiguous buffers are refused when launched, on every rank
     try:
         t.allreduce(np.zeros(10, np.float32)[::2])
@@ -179,6 +180,49 @@ def deferred_gathers(t, ref_comm, rank, n, exact):
     other[...] = 1
     t.allreduce(other).wait(timeout=60)
     emit(rank, "deferred-discarded", bool(np.all(other == n)), str(other[:3]))
+
+
+def scaled(t, ref_comm, rank, n, exact):
+    """allreduce(buf, scale=1/n), DDP's mean: bitwise the unscaled all-reduce of every rank's
+    buffer times the scale (so, at n = 2, MPI's), on both paths, chunked, deferred; refused for
+    half types; ranks that disagree on the scale all fail."""
+    rng = np.random.default_rng(7 + rank)
+    big = (t._shm.scratch_bytes // 4 + 321) if t._shm else 5000  # beyond the scratch: chunked
+    for dtype in (np.float32, np.float64):
+        for size in (1, 7, 4097, 300_001, big):
+            data = (rng.standard_normal(size) * 10.0 ** rng.integers(-40, 30, size)).astype(dtype)
+            prescaled = np.multiply(data, 1.0 / n)
+            want = reference(ref_comm, prescaled)
+            own = t.empty(size, dtype)
+            own[...] = prescaled
+            t.allreduce(own).wait(timeout=120)  # this transport's sum of the prescaled buffers
+            for path in ("copy", "zero-copy", "deferred"):
+                buf = np.empty(size, dtype) if path == "copy" else t.empty(size, dtype)
+                buf[...] = data
+                t.allreduce(buf, scale=1.0 / n, defer_gather=path == "deferred").wait(timeout=120)
+                if path == "deferred":
+                    out = np.empty(size, dtype)
+                    t.gather(buf, [(0, out)])
+                    buf = out
+                name = f"scaled-{np.dtype(dtype).name}-{size}-{path}"
+                ok = buf.tobytes() == own.tobytes() and (not exact or buf.tobytes() == want.tobytes())
+                emit(rank, name, ok, f"max diff {np.max(np.abs(buf - own)):.3g} / MPI {np.max(np.abs(buf - want)):.3g}")
+    try:
+        t.allreduce(np.zeros(4, np.float16), scale=0.5)
+        emit(rank, "scaled-half-refused", False, "accepted")
+    except TypeError as e:
+        emit(rank, "scaled-half-refused", "float32/float64" in str(e), str(e))
+    if t._shm:
+        buf = t.empty(100, np.float32)
+        buf[...] = 1
+        try:
+            t.allreduce(buf, scale=1.0 / (rank + 2)).wait(timeout=60)
+            emit(rank, "scaled-disagreement-refused", False, "accepted")
+        except RuntimeError as e:
+            emit(rank, "scaled-disagreement-refused", "disagree on the mean's divisor" in str(e), str(e))
+        buf[...] = 1
+        t.allreduce(buf).wait(timeout=60)  # the ranks are still in step after it
+        emit(rank, "scaled-then-plain", bool(np.all(buf == n)), str(buf[:3]))
 
 
 if __name__ == "__main__":
