@@ -14,7 +14,10 @@ in every page). A late-peer probe measures what waiting costs: rank 0 arrives 0.
 CPU seconds per second of waiting. The last line holds the ratios.
 
 floor: the memory traffic of the shared-memory scheme done on private copies, no synchronisation:
-each rank sums its 1/n slice of n buffers and copies the other (n-1)/n, all ranks at once.
+each rank sums its 1/n slice of n buffers, a cache-sized chunk at a time, and writes each chunk's
+sum into all n buffers, all ranks at once -- one read and one write of every element per rank, the
+least an all-reduce that leaves the sum in every rank's memory can move. The two "mean" rows
+compare dividing while summing (`scale`, what DDP uses) with a division pass before the sum.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def worker(args) -> None:
     import torch.distributed as dist  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
 
+    from portddp.shm import _reduce_into  # noqa: PLC0415 -- the floor runs the scheme's own arithmetic
     from portddp.transport import get_transport  # noqa: PLC0415
 
     t = get_transport()
@@ -68,28 +72,36 @@ def worker(args) -> None:
     mine = peers[t.local_rank]
     lo, hi = count * t.local_rank // L, count * (t.local_rank + 1) // L
 
-    def floor():
-        np.add(peers[0][lo:hi], peers[1 % L][lo:hi], out=mine[lo:hi])
-        for p in peers[2:]:
-            np.add(mine[lo:hi], p[lo:hi], out=mine[lo:hi])
-        for j in range(L):
-            a, b = count * j // L, count * (j + 1) // L
-            if j != t.local_rank:
-                mine[a:b] = peers[j][a:b]
+    def floor():  # the shared-memory scheme's arithmetic and copies on private buffers, no synchronisation
+        parts = [p[lo:hi] for p in peers]
+        _reduce_into([parts[t.local_rank]] + [q for j, q in enumerate(parts) if j != t.local_rank], parts, None,
+                     t.local_rank)
 
-    def via_transport(buf, impl, spin):
+    def via_transport(buf, impl, spin, scale=None):
         def go():
             t._shm, t._spin = (shm if impl == "shm" else None), spin
             try:
-                t.allreduce(buf).wait(timeout=120)
+                t.allreduce(buf, scale=scale).wait(timeout=120)
             finally:
                 t._shm, t._spin = shm, False
         return go
+
+    def divide_then(go, buf):
+        def both():
+            np.multiply(buf, 1.0 / n, out=buf)
+            go()
+        return both
 
     variants = {"floor (memory traffic)": (floor, None)}
     if shm is not None:
         variants["portddp shm, zero-copy"] = (via_transport(window, "shm", False), window)
         variants["portddp shm, copy"] = (via_transport(private, "shm", False), private)
+        mean = t.empty(count, np.float32)
+        variants["portddp shm, zero-copy, mean (divides while summing)"] = (
+            via_transport(mean, "shm", False, scale=1.0 / n), mean)
+        before = t.empty(count, np.float32)
+        variants["portddp shm, zero-copy, mean (a division pass first)"] = (
+            divide_then(via_transport(before, "shm", False), before), before)
     variants["MPI Allreduce (blocking)"] = (via_transport(private, "mpi", True), private)
     variants["MPI Iallreduce + test/sleep"] = (via_transport(private, "mpi", False), private)
     variants["Gloo (torch.distributed)"] = (lambda: dist.all_reduce(tensor), tensor)
@@ -125,7 +137,8 @@ def worker(args) -> None:
         buf = variants[name][1]
         if buf is not None:
             got = buf.numpy() if isinstance(buf, torch.Tensor) else buf
-            assert np.allclose(got, ref, rtol=1e-5, atol=1e-5), name
+            want = ref / n if "mean" in name else ref
+            assert np.allclose(got, want, rtol=1e-5, atol=1e-5), name
     # what waiting for a late peer costs (rank 0 is early by 0.5 s)
     late = {}
     for name in names:

@@ -402,21 +402,20 @@ _CHUNK_BYTES = 1 << 20  # summed a chunk at a time: the copies to the peers read
 
 def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], scale: float | None, me: int) -> None:
     """Every array of `dests` = ((parts[0] + parts[1]) + parts[2]) + ... (each part times `scale`
-    first, when given). `dests` includes parts[me], which is read before it is written."""
-    half = parts[0].dtype.name in ("float16", "bfloat16")
-    add = _half_add if half else np.add
-    if scale is None and dests == [parts[me]] and me <= 1:  # in place: parts[me] is consumed by the first addition
-        add(parts[0], parts[1], parts[me])
-        for p in parts[2:]:
-            add(parts[me], p, parts[me])
-        return
+    first, when given), a cache-sized chunk at a time. dests[0] is parts[me]'s memory: the sum is
+    made there (read before it is written) and copied from cache into the others."""
+    add = _half_add if parts[0].dtype.name in ("float16", "bfloat16") else np.add
+    if len(parts) == 2 and me == 1:
+        parts = parts[::-1]  # a sum of two is commutative (bitwise): start from my own part
+    first = me == 0 or len(parts) == 2  # dests[0] is parts[0]: accumulate in place
     count = parts[0].size
     step = max(_CHUNK_BYTES // parts[0].itemsize, 1)
-    acc = np.empty(min(step, count), parts[0].dtype)
-    tmp = np.empty_like(acc) if scale is not None else None
+    acc = None if first else np.empty(min(step, count), parts[0].dtype)
+    tmp = None if scale is None else np.empty(min(step, count), parts[0].dtype)
     for a in range(0, count, step):
         b = min(a + step, count)
-        s = acc[:b - a]
+        out = dests[0][a:b]
+        s = out if first else acc[:b - a]
         if scale is None:
             add(parts[0][a:b], parts[1][a:b], s)
             for p in parts[2:]:
@@ -427,8 +426,10 @@ def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], scale: float 
             for p in parts[1:]:
                 np.multiply(p[a:b], scale, out=t)
                 np.add(s, t, out=s)
-        for d in dests:
-            d[a:b] = s
+        if s is not out:
+            out[...] = s
+        for d in dests[1:]:
+            d[a:b] = out
 
 
 def _scale_name(bits: int) -> str:
