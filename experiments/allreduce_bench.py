@@ -74,8 +74,8 @@ def worker(args) -> None:
 
     def floor():  # the shared-memory scheme's arithmetic and copies on private buffers, no synchronisation
         parts = [p[lo:hi] for p in peers]
-        _reduce_into([parts[t.local_rank]] + [q for j, q in enumerate(parts) if j != t.local_rank], parts, None,
-                     t.local_rank)
+        _reduce_into([parts[t.local_rank]] + [q for j, q in enumerate(parts) if j != t.local_rank], parts,
+                     [None] * L, t.local_rank)
 
     def via_transport(buf, impl, spin, scale=None):
         def go():

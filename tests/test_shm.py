@@ -32,7 +32,7 @@ def _check(proc, n: int, impl: str, hosts: int = 1) -> None:
                  "chunked-copy", "non-contiguous-refused", "deferred-gather-1", "deferred-gather-300001",
                  "deferred-small-between", "deferred-then-plain", "deferred-peer-scratch",
                  "deferred-discarded", "scaled-float32-300001-zero-copy", "scaled-float64-1-deferred",
-                 "scaled-half-refused"):
+                 "scaled-half-refused", "scaled-mixed-with-prescaled", "scaled-per-rank"):
         assert name in names, sorted(names)[:50]
 
 

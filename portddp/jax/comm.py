@@ -53,14 +53,8 @@ class MPIComm:
         buf.fill(0)
         return buf
 
-    def scales(self, buf: np.ndarray) -> bool:
-        """Whether `allreduce(buf, scale=...)` takes a scale (float32/float64): the mean's division
-        then happens while the transport sums, as for portddp.torch's (the same rule on both sides,
-        so a mixed job's ranks issue the same all-reduce)."""
-        return buf.dtype.name in ("float32", "float64")
-
-    def allreduce(self, buf: np.ndarray, defer_gather: bool = False, scale: float | None = None) -> Handle:
-        return self.transport.allreduce(buf, defer_gather=defer_gather, scale=scale)
+    def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> Handle:
+        return self.transport.allreduce(buf, defer_gather=defer_gather)
 
     @property
     def defers_gather(self) -> bool:
@@ -104,9 +98,6 @@ class LocalComm:
 
     def zeros(self, numel: int, dtype) -> np.ndarray:
         return np.zeros(numel, dtype)
-
-    def scales(self, buf: np.ndarray) -> bool:
-        return False
 
     def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> Handle:
         """Every rank holds this process's `buf`: their sum is size x it."""

@@ -794,7 +794,7 @@ class DistributedDataParallel(DDPCommon):
         if grads is not None and self.check_finite:
             for k, g in zip(bucket.params, grads):
                 self._nonfinite[k] = not np.isfinite(g).all()
-        self._pack(b, grads, divide=self._hook is None and not self._comm.scales(self._buffers[b]))
+        self._pack(b, grads, divide=self._hook is None)
         with self._lock:
             if grads is not None:
                 self._ready_order.extend(bucket.params)
@@ -829,9 +829,8 @@ class DistributedDataParallel(DDPCommon):
 
     def _reduce_bucket(self, b: int, buffer: np.ndarray) -> Handle:
         self._issue(f"bucket {b}")
-        if self._hook is None:  # (divided while summed where the comm scales: packed undivided)
-            scale = self._inv_world if self._comm.scales(buffer) else None
-            return self._comm.allreduce(buffer, defer_gather=self._defer_gather, scale=scale)
+        if self._hook is None:
+            return self._comm.allreduce(buffer, defer_gather=self._defer_gather)
         try:
             handle = self._hook(self._hook_state, self._grad_bucket(b, buffer))
         except Exception as e:

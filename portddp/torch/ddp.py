@@ -367,9 +367,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._plan = plan
         # (transport="mpi" on one host: inside the shared-memory window, reduced where they lie)
         self._bucket_buffers = [self._comm.zeros(b.numel, getattr(torch, b.dtype), self.device) for b in plan.buckets]
-        # Buckets whose all-reduce divides by the world size itself (the MPI transport, while it
-        # sums): their gradients are packed undivided -- with gradient_as_bucket_view, no pass at all.
-        self._comm_divides = [self._comm.scales(buf) for buf in self._bucket_buffers]
+        # With gradient_as_bucket_view, .grad is the bucket: where the comm can divide while it sums
+        # (the MPI transport), the gradient is not touched between autograd and the all-reduce.
+        # (Elsewhere the gradient is divided while it is copied in: that pass costs nothing extra.)
+        self._comm_divides = [self.gradient_as_bucket_view and self._comm.scales(buf) for buf in self._bucket_buffers]
         self._bucket_of = [0] * len(self._params)
         self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
         for b, bucket in enumerate(plan.buckets):
