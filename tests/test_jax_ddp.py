@@ -23,6 +23,12 @@ def _skip_pmap_beyond_one_process(results, strategy):
         pytest.skip("pmap maps over one process's devices; it runs in the n=1 world")
 
 
+def _skip_at_three(results):
+    if results[0] == 3:
+        pytest.skip("independent of an odd world size: checked at n=1 and n=2 (the n=3 worker runs the sums, "
+                    "accumulation and hooks only)")
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("dtype,bound", [("float64", 1e-10), ("float32", 1e-5)])
 def test_matches_one_process_on_the_global_batch(results, strategy, dtype, bound):
@@ -56,6 +62,7 @@ def test_four_accumulated_micro_batches_equal_one_batch(results, strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_auto_bucket_cap_picks_one_cap_on_every_rank(results, strategy):
     _skip_pmap_beyond_one_process(results, strategy)
+    _skip_at_three(results)
     _, rows = mpi.each_rank(results, f"auto_cap/{strategy}")
     assert len({r["chosen"] for r in rows}) == 1, rows
     for row in rows:
@@ -66,6 +73,7 @@ def test_auto_bucket_cap_picks_one_cap_on_every_rank(results, strategy):
 
 def test_hooked_grad_fn_inside_the_callers_jit(results):
     """jax.jit(lambda p, b: update(p, grad_fn(p, b)[1])): the whole step one program, still bucketed and overlapped."""
+    _skip_at_three(results)
     _, rows = mpi.each_rank(results, "inside_user_jit")
     for row in rows:
         assert row["max_rel"] <= 1e-10 and row["iterations"] == 5, row
@@ -73,11 +81,13 @@ def test_hooked_grad_fn_inside_the_callers_jit(results):
 
 
 def test_hooked_and_compiled_give_the_same_gradients(results):
+    _skip_at_three(results)
     _, rows = mpi.each_rank(results, "hooked_vs_compiled")
     assert all(row["max_rel"] <= 1e-12 for row in rows), rows
 
 
 def test_same_plan_as_portddp_torch(results):
+    _skip_at_three(results)
     _, rows = mpi.each_rank(results, "same_plan_as_torch")
     for row in rows:
         assert row["equal"], row
@@ -85,6 +95,7 @@ def test_same_plan_as_portddp_torch(results):
 
 
 def test_flax_nnx_state(results):
+    _skip_at_three(results)
     _, rows = mpi.each_rank(results, "nnx_state")
     for row in rows:
         assert row["max_rel"] <= 1e-10 and row["type"] == "State", row

@@ -228,16 +228,21 @@ def hooks_vs_numpy():
 
 
 def main():
+    # At n = 3 (oversubscribed on 2 cores, the suite's slowest world) only what an odd world size
+    # can break: the sums, accumulation and the hooks' arithmetic; the rest runs at n = 1 and 2.
+    every_check = WORLD.size <= 2
     for strategy in STRATEGIES:
         for dtype in ("float64", "float32"):
             vs_global_batch(dtype, strategy)
         accumulate4(strategy)
-        auto_cap(strategy)
+        if every_check:
+            auto_cap(strategy)
     vs_global_batch("float64", "hooked", overlap=False)
-    inside_user_jit()
-    hooked_vs_compiled()
-    same_plan_as_torch()
-    nnx_state()
+    if every_check:
+        inside_user_jit()
+        hooked_vs_compiled()
+        same_plan_as_torch()
+        nnx_state()
     hooks_vs_numpy()
 
 
