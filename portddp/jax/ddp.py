@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 import threading
 import time
 import warnings
@@ -142,6 +143,7 @@ class _PlanState(NamedTuple):
     buffers: list  # one flat numpy buffer per bucket (hooked: what the collectives reduce)
     taps: list  # one custom_vjp identity per bucket (_make_tap)
     steps: dict  # per step function: its jitted (hooked) or compiled (compiled.Step) program
+    lent: list  # eager hooked steps: sets of bucket buffers, some still lent to the caller (_lend)
 
 
 class DistributedDataParallel(DDPCommon):
@@ -304,6 +306,7 @@ class DistributedDataParallel(DDPCommon):
         self._values_differ = []
         leaves = self._layout.leaves_of(params)
         self._issue("broadcast of rank 0's parameters")
+        self._buffers = self._free_buffers()
         with watchdog.waiting():
             for b, bucket in enumerate(self._plan.buckets):
                 self._pack(b, [leaves[k] for k in bucket.params], divide=False)
@@ -315,10 +318,10 @@ class DistributedDataParallel(DDPCommon):
         """Buffers, taps and traced steps for `plan`; a plan seen before gets its own back."""
         key = plan.to_json()
         if key not in self._plans:
-            # (one host, MPI: inside the transport's shared-memory window, reduced where they lie)
-            self._plans[key] = _PlanState(plan, [self._comm.zeros(b.numel, jnp.dtype(b.dtype)) for b in plan.buckets],
-                                          [self._make_tap(b) for b in range(len(plan.buckets))], {})
-        self._plan, self._buffers, self._taps, self._steps = self._plans[key]
+            buffers = self._new_buffers(plan)
+            self._plans[key] = _PlanState(plan, buffers, [self._make_tap(b) for b in range(len(plan.buckets))], {},
+                                          [buffers])
+        self._plan, self._buffers, self._taps, self._steps, _ = self._plans[key]
 
     def _grad_bucket(self, b: int, buffer: np.ndarray) -> GradBucket:
         bucket, specs = self._plan.buckets[b], self._plan.specs
@@ -596,15 +599,18 @@ class DistributedDataParallel(DDPCommon):
                 return flax_nnx.named_errors(xla_step, static, params, state, batch, 1.0 if uneven else None)
             if traced:
                 return flax_nnx.named_errors(program, static, params, state, batch)
-            run = self._steps.get(program)
+            lends = self._hook is None and self._comm.defers_gather  # (the shared-memory path: see _lend)
+            run = self._steps.get((program, lends))
             if run is None:  # first call, or the plan was rebuilt: trace again with the new taps
                 # A new function object each time: jax.jit caches traces per function.
-                run = self._steps[program] = jax.jit(lambda *args: program(*args), static_argnums=0)
+                run = self._steps[(program, lends)] = jax.jit(
+                    lambda *args: program(*args, lend=lends), static_argnums=0)
             self._callback_errors.clear()
             self._step_counted = True
             try:
                 loss, aux, new_state, grads = flax_nnx.named_errors(run, static, params, state, batch)
-                return loss, aux, new_state, jax.block_until_ready(grads)
+                grads = jax.block_until_ready(grads)
+                return loss, aux, new_state, self._lend() if lends else grads
             except Exception:
                 if not self._callback_errors:
                     raise
@@ -636,9 +642,14 @@ class DistributedDataParallel(DDPCommon):
             outs[-1][...] = 0
             self._finalize(outs[:-1])
 
-        def program(static, params, state, batch):
+        def finish_lent(_launched):  # eager, lent: the sums stay in the buckets (_lend)
+            self._finalize()
+            return np.float32(0)
+
+        def program(static, params, state, batch, lend: bool = False):
             dead: list[int] = []  # buckets whose taps never fire: read at run time, filled at trace time
-            start = taps.start_token(taps.reporting(lambda: self._begin_iteration(dead, fills=True), errors))
+            start = taps.start_token(taps.reporting(
+                lambda: self._begin_iteration(dead, fills=not lend, lend=lend), errors))
             bcast = self._will_sync_buffers(state)
 
             def tapped(params, start_value, state):
@@ -668,6 +679,10 @@ class DistributedDataParallel(DDPCommon):
                 self._tracing_fired = None
             dead.extend(b for b in range(len(self._plan.buckets)) if b not in fired)
             # `launched` depends on every live tap's callback: this one runs after the last launch.
+            if lend:  # (grads: the scalar to wait for; the step hands the buckets back itself)
+                self._traced_done = None
+                return loss, aux, new_state, taps.host_call(
+                    taps.reporting(finish_lent, errors), jax.ShapeDtypeStruct((), jnp.float32), launched)
             *reduced, self._traced_done = taps.host_call(
                 taps.reporting(finish, errors), [*_reduced_shapes(self._plan), jax.ShapeDtypeStruct((), jnp.float32)],
                 launched, fills=True)
@@ -740,14 +755,17 @@ class DistributedDataParallel(DDPCommon):
         self._step_count += 1
         return np.float32(0)
 
-    def _begin_iteration(self, dead=(), fills: bool = False) -> np.float32:
+    def _begin_iteration(self, dead=(), fills: bool = False, lend: bool = False) -> np.float32:
         """Open an iteration. The `dead` buckets (no tap fires: the loss uses none of their
         leaves) are zeros and ready at once; they launch in plan order like the others.
         `fills`: the iteration ends with `_finalize(outs)`, which copies the reduced buckets into
         `outs` -- then, without a comm hook, each bucket's all-reduce defers its gather to that
         copy (portddp.transport: the other ranks' slices come straight from shared memory).
+        `lend`: the reduced buckets are handed to the caller as they lie (`_lend`). Every
+        iteration packs into a set of buffers no array lent earlier still uses.
         The watchdog learns that a synchronised iteration is under way (a peer that already left
         before reaching it stops this rank, naming it, instead of leaving it waiting)."""
+        self._buffers = self._free_buffers()  # (what an earlier eager step lent out may be in use still)
         if self._stale_used is not None:  # a failed iteration's used counts (see _finalize)
             stale, self._stale_used = self._stale_used, None
             with watchdog.waiting(), contextlib.suppress(Exception):
@@ -951,6 +969,37 @@ class DistributedDataParallel(DDPCommon):
             dests.append((off, out.reshape(-1)))
         self._comm.gather(self._buffers[b], sorted(dests, key=lambda d: d[0]))
 
+    def _free_buffers(self) -> list:
+        """A set of bucket buffers that no array `_lend` handed out still uses: one whose memory
+        nothing but the set holds (JAX keeps the memory's owner alive while an array over it
+        lives: also a numpy view the caller took of it, or a copy JAX made for a jit that donated
+        it frees it). Few sets in a loop: the last step's gradients are still held while the next
+        step runs, so two alternate."""
+        sets = self._plans[self._plan.to_json()].lent
+        for bufs in sets:
+            if all(_owner_refs(buf) <= _FREE_REFS for buf in bufs):
+                return bufs
+        bufs = self._new_buffers(self._plan)
+        sets.append(bufs)
+        return bufs
+
+    def _new_buffers(self, plan: BucketPlan) -> list:
+        """One zeroed flat buffer per bucket (one host, MPI: inside the transport's shared-memory
+        window, reduced where they lie), each a view of the object owning its memory (_owner_refs)."""
+        bufs = [self._comm.zeros(b.numel, jnp.dtype(b.dtype)) for b in plan.buckets]
+        return [buf if buf.base is not None else buf[...] for buf in bufs]
+
+    def _lend(self):
+        """The reduced buckets as the caller's gradients, without a copy: each parameter's slice of
+        its bucket becomes a JAX array over that memory (jax.device_put of an aligned, contiguous
+        numpy array on CPU aliases it; anything else is copied). The next iterations pack into
+        other buffers until every such array is gone (_free_buffers) -- the memory traffic of
+        copying every reduced gradient into XLA's result buffers, saved."""
+        specs = self._plan.specs
+        return self._layout.to_tree(self._plan, [
+            jax.device_put(buf[off:off + specs[k].numel].reshape(specs[k].shape))
+            for buf, bucket in zip(self._buffers, self._plan.buckets) for k, off in zip(bucket.params, bucket.offsets)])
+
     def _write_grads(self):
         """The reduced buckets back into the pytree: a new one of jax arrays in its own layout."""
         specs = self._plan.specs
@@ -1024,6 +1073,14 @@ class DistributedDataParallel(DDPCommon):
         if self._last_events is None:
             return {}
         return self._last_events.stats() | extra | {"plan_rebuilt": self._rebuilt}
+
+
+_FREE_REFS = 2  # references to a free bucket's memory owner: the bucket array's base, getrefcount's argument
+
+
+def _owner_refs(buf: np.ndarray) -> int:
+    """References to the object owning `buf`'s memory (the arena block of portddp.shm.empty)."""
+    return sys.getrefcount(buf.base)
 
 
 def _reduced_shapes(plan: BucketPlan) -> list:

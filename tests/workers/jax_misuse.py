@@ -87,6 +87,39 @@ def steps_in_one_jit():
     return f"max_rel={worst:.1e}"
 
 
+def held_gradients_lent():
+    """Legal: eager hooked steps lend the reduced buckets as the gradients (zero copy); gradients the
+    caller still holds -- the arrays, a numpy view of one, arrays a donating jit consumed -- are
+    never overwritten by later steps."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    params = ddp.broadcast(params)
+    grad_fn, local = ddp.value_and_grad(loss_fn), jax.jit(jax.grad(loss_fn))
+
+    def mean_of_ranks(step):  # every rank's batch is known here: the mean, computed locally
+        grads = [local(params, jnp.asarray(np.random.default_rng(100 * step + r).standard_normal((3, 4)),
+                                            jnp.float32)) for r in range(WORLD.size)]
+        return jax.tree.map(lambda *g: sum(g) / WORLD.size, *grads)
+
+    donate = jax.jit(lambda p, g: jax.tree.map(lambda a, b: a - 0.1 * b, p, g), donate_argnums=1)
+    held, kept, zero_copy = [], None, False
+    for step in range(5):
+        grads = grad_fn(params, batch(step))[1]
+        leaves = jax.tree.leaves(grads)
+        zero_copy |= any(b.ctypes.data <= x.unsafe_buffer_pointer() < b.ctypes.data + b.nbytes
+                         for x in leaves for b in ddp._buffers)
+        if step == 0:
+            kept = np.asarray(grads["enc"]["w"])  # a numpy view of the lent memory
+        if step == 1:
+            donate(params, grads)  # consumed: its memory may be reused
+            continue
+        held.append((step, grads))
+    worst = max(rel(g, mean_of_ranks(step)) for step, g in held)
+    worst = max(worst, float(np.max(np.abs(kept - mean_of_ranks(0)["enc"]["w"]))))
+    assert worst < 1e-6, worst
+    return f"held={len(held)} zero_copy={zero_copy}"
+
+
 def pmap_under_mpirun():
     """strategy='pmap' in a job of 2 processes: each would train alone; refused on every rank."""
     DistributedDataParallel(init_params(), strategy="pmap")
@@ -340,6 +373,7 @@ CASES = {
     "step_here_reduce_there_compiled": lambda: local_step_on_one_rank("compiled", then="reduce_on_one_rank"),
     "same_local_steps_compiled": same_local_steps_compiled,
     "steps_in_one_jit": steps_in_one_jit,
+    "held_gradients_lent": held_gradients_lent,
     "pmap_under_mpirun": pmap_under_mpirun,
     "differentiate_grad_fn": differentiate_grad_fn,
     "buffers_differ_compiled": buffers_differ_compiled,
