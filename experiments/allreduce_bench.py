@@ -16,8 +16,7 @@ CPU seconds per second of waiting. The last line holds the ratios.
 floor: the memory traffic of the shared-memory scheme done on private copies, no synchronisation:
 each rank sums its 1/n slice of n buffers, a cache-sized chunk at a time, and writes each chunk's
 sum into all n buffers, all ranks at once -- one read and one write of every element per rank, the
-least an all-reduce that leaves the sum in every rank's memory can move. The two "mean" rows
-compare dividing while summing (`scale`, what DDP uses) with a division pass before the sum.
+least an all-reduce that leaves the sum in every rank's memory can move.
 """
 
 from __future__ import annotations
@@ -75,33 +74,21 @@ def worker(args) -> None:
     def floor():  # the shared-memory scheme's arithmetic and copies on private buffers, no synchronisation
         parts = [p[lo:hi] for p in peers]
         _reduce_into([parts[t.local_rank]] + [q for j, q in enumerate(parts) if j != t.local_rank], parts,
-                     [None] * L, t.local_rank)
+                     t.local_rank)
 
-    def via_transport(buf, impl, spin, scale=None):
+    def via_transport(buf, impl, spin):
         def go():
             t._shm, t._spin = (shm if impl == "shm" else None), spin
             try:
-                t.allreduce(buf, scale=scale).wait(timeout=120)
+                t.allreduce(buf).wait(timeout=120)
             finally:
                 t._shm, t._spin = shm, False
         return go
-
-    def divide_then(go, buf):
-        def both():
-            np.multiply(buf, 1.0 / n, out=buf)
-            go()
-        return both
 
     variants = {"floor (memory traffic)": (floor, None)}
     if shm is not None:
         variants["portddp shm, zero-copy"] = (via_transport(window, "shm", False), window)
         variants["portddp shm, copy"] = (via_transport(private, "shm", False), private)
-        mean = t.empty(count, np.float32)
-        variants["portddp shm, zero-copy, mean (divides while summing)"] = (
-            via_transport(mean, "shm", False, scale=1.0 / n), mean)
-        before = t.empty(count, np.float32)
-        variants["portddp shm, zero-copy, mean (a division pass first)"] = (
-            divide_then(via_transport(before, "shm", False), before), before)
     variants["MPI Allreduce (blocking)"] = (via_transport(private, "mpi", True), private)
     variants["MPI Iallreduce + test/sleep"] = (via_transport(private, "mpi", False), private)
     variants["Gloo (torch.distributed)"] = (lambda: dist.all_reduce(tensor), tensor)
@@ -137,8 +124,7 @@ def worker(args) -> None:
         buf = variants[name][1]
         if buf is not None:
             got = buf.numpy() if isinstance(buf, torch.Tensor) else buf
-            want = ref / n if "mean" in name else ref
-            assert np.allclose(got, want, rtol=1e-5, atol=1e-5), name
+            assert np.allclose(got, ref, rtol=1e-5, atol=1e-5), name
     # what waiting for a late peer costs (rank 0 is early by 0.5 s)
     late = {}
     for name in names:

@@ -12,8 +12,7 @@ it offers), a scratch area and an arena that `empty()` allocates buffers from. O
    arena is used where it lies -- zero copy --, any other buffer is first copied into scratch)
    and bumps its counter;
 2. once every peer's counter has moved, local rank r sums slice r (1/L of the elements) straight
-   from every peer's memory, in local-rank order (each part times its rank's `scale`, if any),
-   and writes the sum into slice r of its own data and of every peer's (across hosts it first
+   from every peer's memory, in local-rank order, and writes the sum into slice r of its own data and of every peer's (across hosts it first
    all-reduces the slice with the ranks of the same local rank on the other hosts, over MPI). It
    sums a cache-sized chunk at a time, so the copies to the peers read what is still in cache:
    per rank, each element of its slice is read once per rank and written once per rank -- the
@@ -30,12 +29,6 @@ scratch, not its arena, every rank receives the whole sum: that rank's next all-
 overwrites its scratch.) Until the gather we read the owners' buffers: the caller must not let
 any peer reuse its buffer in between (portddp.jax gathers before the iteration's used-count
 all-reduce, which every rank finishes before it writes a bucket again).
-
-`scale` (float32/float64): this rank's part counts times `scale` -- DDP's mean with 1/n, bitwise
-what dividing the buffer before the all-reduce gives (`x * scale` in the buffer's dtype, numpy's
-and torch's alike), without a pass of its own over the buffer. Each rank says its own: a rank
-whose buffer is divided already passes none (the slice's owner multiplies only the parts that
-ask), so ranks need not agree on where the division happens.
 
 Nothing spins: a rank whose peer is not there yet sleeps in the kernel (a futex on the peer's
 counter, woken by the peer's store; a sleeping poll where futexes are unavailable).
@@ -229,10 +222,8 @@ class ShmAllreduce:
         self.wall_waiting += time.perf_counter() - t0
 
     # -- the all-reduce --------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, defer_gather: bool = False, scale: float | None = None) -> np.ndarray:
-        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. `scale`
-        (float32/float64 only): this rank's part counts times `scale` (per rank: see the module's
-        account) -- the mean with scale = 1/n on every rank. With `defer_gather` and `buf` in the arena, `buf` holds only
+    def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> np.ndarray:
+        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. With `defer_gather` and `buf` in the arena, `buf` holds only
         this rank's slice of the sum afterwards: `gather(buf, dests)` must follow (see the
         module's account). A buffer whose deferred gather never ran (its iteration failed) is
         simply reduced again: the gather is forgotten."""
@@ -241,8 +232,6 @@ class ShmAllreduce:
         flat = buf.reshape(-1)
         if flat.dtype.name not in _DTYPES:
             raise TypeError(f"no shared-memory sum for dtype {flat.dtype}")
-        if scale is not None and flat.dtype.name not in ("float32", "float64"):
-            raise TypeError(f"a scaled shared-memory sum is float32/float64 only, not {flat.dtype}")
         key = (flat.ctypes.data, flat.nbytes)
         self._pending.pop(key, None)  # a gather that never ran (its iteration failed): this sum replaces it
         item = flat.dtype.itemsize
@@ -252,7 +241,7 @@ class ShmAllreduce:
         chunks = []
         for start in range(0, max(flat.size, 1), chunk):
             part = flat[start:start + chunk]
-            views, bounds = self._one(part, None if home is None else home + start * item, defer, scale)
+            views, bounds = self._one(part, None if home is None else home + start * item, defer)
             chunks.append((start, views, bounds))  # views None: the whole sum is in buf already
         if defer:
             self._pending[key] = chunks
@@ -277,8 +266,7 @@ class ShmAllreduce:
                 if b > a:
                     scatter_into(dests, start + a, views[j][a:b])
 
-    def _one(self, part: np.ndarray, offset: int | None, defer: bool, scale: float | None
-             ) -> tuple[list | None, list[int]]:
+    def _one(self, part: np.ndarray, offset: int | None, defer: bool) -> tuple[list | None, list[int]]:
         me, n = self.local_rank, self.local_size
         dtype, count = part.dtype, part.size
         scratch = offset is None
@@ -286,18 +274,16 @@ class ShmAllreduce:
             offset = _HEADER
             self._view(me, offset, dtype, count)[...] = part
         code = _DTYPES.index(dtype.name)
-        scale_bits = 0 if scale is None else int(np.float64(scale).view(np.int64))
-        self._desc[me][:6] = (offset, part.nbytes, code, count, int(defer), scale_bits)
+        self._desc[me][:5] = (offset, part.nbytes, code, count, int(defer))
         self._signal()
         self._wait_peers()
-        descs = [[int(x) for x in self._desc[j][:6]] for j in range(n)]
+        descs = [[int(x) for x in self._desc[j][:5]] for j in range(n)]
         views = []
-        for j, (off, nbytes, their_code, cnt, _, _) in enumerate(descs):
+        for j, (off, nbytes, their_code, cnt, _) in enumerate(descs):
             if nbytes != part.nbytes or their_code != code or cnt != count:
                 raise RuntimeError(f"local rank {j} all-reduces {cnt} x {_DTYPES[their_code]} while local rank {me} "
                                    f"all-reduces {count} x {dtype.name}: the ranks issue different collectives")
             views.append(self._view(j, off, dtype, count))
-        scales = [None if d[5] == 0 else float(np.int64(d[5]).view(np.float64)) for d in descs]
         # A rank whose data lies in its scratch overwrites it in its next all-reduce: then every
         # rank receives the whole sum now, whatever it asked.
         any_scratch = min(d[0] for d in descs) < self._arena_lo
@@ -307,9 +293,9 @@ class ShmAllreduce:
         if hi > lo:
             parts = [v[lo:hi] for v in views]
             if self.cross is None:
-                _reduce_into([parts[me]] + [parts[j] for j in peers], parts, scales, me)
+                _reduce_into([parts[me]] + [parts[j] for j in peers], parts, me)
             else:  # my slice of the host's sum, then summed over the hosts, then shared within the host
-                _reduce_into([parts[me]], parts, scales, me)
+                _reduce_into([parts[me]], parts, me)
                 self._cross_allreduce(parts[me])
                 for j in peers:
                     parts[j][...] = parts[me]
@@ -398,31 +384,24 @@ def _bounds(count: int, n: int, itemsize: int) -> list[int]:
 _CHUNK_BYTES = 1 << 20  # summed a chunk at a time: the copies to the peers read it from cache
 
 
-def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], scales: list, me: int) -> None:
-    """Every array of `dests` = ((parts[0] + parts[1]) + parts[2]) + ... (part k times scales[k]
-    first, where that is not None), a cache-sized chunk at a time. dests[0] is parts[me]'s memory:
-    the sum is made there (read before it is written) and copied from cache into the others."""
+def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int) -> None:
+    """Every array of `dests` = ((parts[0] + parts[1]) + parts[2]) + ..., a cache-sized chunk at a
+    time. dests[0] is parts[me]'s memory: the sum is made there (read before it is written) and
+    copied from cache into the others."""
     add = _half_add if parts[0].dtype.name in ("float16", "bfloat16") else np.add
     if len(parts) == 2 and me == 1:  # a sum of two is commutative (bitwise): start from my own part
-        parts, scales = parts[::-1], scales[::-1]
+        parts = parts[::-1]
     first = me == 0 or len(parts) == 2  # dests[0] is parts[0]: accumulate in place
     count = parts[0].size
     step = min(max(_CHUNK_BYTES // parts[0].itemsize, 1), count)
     acc = None if first else np.empty(step, parts[0].dtype)
-    tmps = [np.empty(step, parts[0].dtype) for _ in range(2)] if any(x is not None for x in scales) else []
     for a in range(0, count, step):
         b = min(a + step, count)
-
-        def term(k, into=None):  # part k's chunk, times its scale (into a scratch chunk unless told)
-            if scales[k] is None:
-                return parts[k][a:b]
-            return np.multiply(parts[k][a:b], scales[k], out=tmps[k % 2][:b - a] if into is None else into)
-
         out = dests[0][a:b]
         s = out if first else acc[:b - a]
-        add(term(0, out if first else None), term(1), s)  # (first: part 0 is `out`, scaled where it lies)
-        for k in range(2, len(parts)):
-            add(s, term(k), s)
+        add(parts[0][a:b], parts[1][a:b], s)
+        for p in parts[2:]:
+            add(s, p[a:b], s)
         if s is not out:
             out[...] = s
         for d in dests[1:]:

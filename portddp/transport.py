@@ -224,13 +224,8 @@ class MPITransport:
         """Whether `allreduce(buf)` takes the zero-copy path (buf lies in the shared window)."""
         return self._shm is not None and self._shm.offset_of(buf) is not None
 
-    def allreduce(self, buf: np.ndarray, on_done=None, defer_gather: bool = False,
-                  scale: float | None = None) -> Handle:
+    def allreduce(self, buf: np.ndarray, on_done=None, defer_gather: bool = False) -> Handle:
         """Sum `buf` over all ranks, in place. Returns at once.
-
-        `scale` (float32/float64 buffers): every rank's values times `scale`, then summed -- DDP's
-        mean with scale = 1/world, bitwise as if each rank had scaled its buffer first; the
-        shared-memory path scales while it sums (no pass of its own), MPI's scales before.
 
         `defer_gather`: the caller will copy the sum out with `gather(buf, dests)` (and reads it
         nowhere else): on the shared-memory path `buf` then holds only this rank's slice, and the
@@ -240,16 +235,11 @@ class MPITransport:
         spec, op = self._typed(buf)
         MPI = self._MPI
         shm = self._shm
-        if scale is not None and buf.dtype.name not in ("float32", "float64"):
-            raise TypeError(f"a scaled all-reduce is float32/float64 only, not {buf.dtype}")
 
         def job():
             if shm is not None:
-                shm.allreduce(buf, defer_gather=defer_gather, scale=scale)
-                return buf
-            if scale is not None:
-                np.multiply(buf, scale, out=buf)
-            if self._spin:
+                shm.allreduce(buf, defer_gather=defer_gather)
+            elif self._spin:
                 self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
             else:
                 self._wait(self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op))

@@ -625,7 +625,8 @@ class DistributedDataParallel(DDPCommon):
         the bucket's gradients to the host (`_mark_ready`: pack, launch) as soon as XLA has them;
         a last callback waits for every reduction and writes the reduced gradients into the
         program's result buffers (`_finalize(outs)`, `_fill`). It can therefore be wrapped in the
-        caller's own jax.jit (with the optimizer update, say); called eagerly, it is jitted here."""
+        caller's own jax.jit (with the optimizer update, say); called eagerly, it is jitted here,
+        and with `lend` its last callback only finalizes: the step lends the buckets (`_lend`)."""
         errors = self._callback_errors
 
         def forward_done(*_):
@@ -976,9 +977,10 @@ class DistributedDataParallel(DDPCommon):
         it frees it). Few sets in a loop: the last step's gradients are still held while the next
         step runs, so two alternate."""
         sets = self._plans[self._plan.to_json()].lent
-        for bufs in sets:
-            if all(_owner_refs(buf) <= _FREE_REFS for buf in bufs):
-                return bufs
+        free = [bufs for bufs in sets if all(_owner_refs(buf) <= _FREE_REFS for buf in bufs)]
+        if free:  # (at most two spare sets kept: the memory of a burst of held steps goes back)
+            sets[:] = [bufs for bufs in sets if not any(bufs is extra for extra in free[3:])]
+            return free[0]
         bufs = self._new_buffers(self._plan)
         sets.append(bufs)
         return bufs

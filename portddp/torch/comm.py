@@ -34,11 +34,6 @@ class _Comm:
     rank: int
     size: int
 
-    def scales(self, buffer: torch.Tensor) -> bool:
-        """Whether `allreduce_timed(buffer, event, scale)` multiplies by `scale` itself (then DDP
-        packs gradients undivided and saves a pass over them); else `scale` must be None."""
-        return False
-
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed bucket buffer."""
         return torch.zeros(numel, dtype=dtype, device=device)
@@ -80,17 +75,13 @@ class C10dComm(_Comm):
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    def allreduce_timed(self, tensor: torch.Tensor, event=None, scale: float | None = None) -> torch.futures.Future:
+    def allreduce_timed(self, tensor: torch.Tensor, event) -> torch.futures.Future:
         """DDP's bucket all-reduce: the process group's own call (the cheapest launch c10d has, no
-        `.then`: the future's value is [tensor]); `event.done_ns` is stamped when it completes.
-        (`scale`: a pass of its own before the sum, as DDP does when this comm does not scale.)"""
+        `.then`: the future's value is [tensor]); `event.done_ns` is stamped when it completes."""
         if self._pg is None:
             self._pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-        if scale is not None:
-            tensor.mul_(scale)
         fut = self._pg.allreduce([tensor], self._opts).get_future()
-        if event is not None:
-            fut.add_done_callback(lambda _fut: setattr(event, "done_ns", time.perf_counter_ns()))
+        fut.add_done_callback(lambda _fut: setattr(event, "done_ns", time.perf_counter_ns()))
         return fut
 
     def _broadcast_flat(self, flat, src):
@@ -149,26 +140,29 @@ class MPIComm(_Comm):
         return self.transport.is_shared(_numpy_view(tensor))
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        return self.allreduce_timed(tensor)
-
-    def scales(self, buffer: torch.Tensor) -> bool:
-        """float32/float64: the transport scales while it sums (shared memory) or just before (MPI)."""
-        return buffer.device.type == "cpu" and buffer.dtype in (torch.float32, torch.float64)
-
-    def allreduce_timed(self, tensor: torch.Tensor, event=None, scale: float | None = None) -> torch.futures.Future:
-        """DDP's bucket all-reduce, `event.done_ns` stamped when the comm thread has finished it;
-        with `scale`, every rank's values times `scale`, summed (portddp.transport)."""
         fut = torch.futures.Future()
 
         def resolve(handle):  # on the comm thread
-            if event is not None:
-                event.done_ns = handle.done_ns
             if handle._error is not None:
                 fut.set_exception(handle._error)
             else:
                 fut.set_result(tensor)
 
-        self.transport.allreduce(_numpy_view(tensor), on_done=resolve, scale=scale)
+        self.transport.allreduce(_numpy_view(tensor), on_done=resolve)
+        return fut
+
+    def allreduce_timed(self, tensor: torch.Tensor, event) -> torch.futures.Future:
+        """DDP's bucket all-reduce, `event.done_ns` stamped when the comm thread has finished it."""
+        fut = torch.futures.Future()
+
+        def resolve(handle):  # on the comm thread
+            event.done_ns = handle.done_ns
+            if handle._error is not None:
+                fut.set_exception(handle._error)
+            else:
+                fut.set_result(tensor)
+
+        self.transport.allreduce(_numpy_view(tensor), on_done=resolve)
         return fut
 
     def _broadcast_flat(self, flat, src):

@@ -367,10 +367,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._plan = plan
         # (transport="mpi" on one host: inside the shared-memory window, reduced where they lie)
         self._bucket_buffers = [self._comm.zeros(b.numel, getattr(torch, b.dtype), self.device) for b in plan.buckets]
-        # With gradient_as_bucket_view, .grad is the bucket: where the comm can divide while it sums
-        # (the MPI transport), the gradient is not touched between autograd and the all-reduce.
-        # (Elsewhere the gradient is divided while it is copied in: that pass costs nothing extra.)
-        self._comm_divides = [self.gradient_as_bucket_view and self._comm.scales(buf) for buf in self._bucket_buffers]
         self._bucket_of = [0] * len(self._params)
         self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
         for b, bucket in enumerate(plan.buckets):
@@ -626,7 +622,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 self._launch_ready_buckets()
 
     def _pack(self, i: int, param: torch.Tensor) -> None:
-        """Put param i's gradient in its bucket slot, divided unless a hook or the all-reduce will."""
+        """Put param i's gradient in its bucket slot, divided unless a hook will divide."""
         grad, view = param.grad, self._views[i]
         if grad is None:  # an undefined gradient, counted as zeros (see _make_hook)
             view.zero_()
@@ -638,12 +634,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 f"parameter {self._names[i]!r} has a {grad.layout} gradient; portddp reduces dense gradients only "
                 "(e.g. use nn.Embedding(sparse=False))"
             )
-        divide = self._hook is None and not self._comm_divides[self._bucket_of[i]]
         if self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():  # already in place
-            if divide:
+            if self._hook is None:
                 view.mul_(self._inv_world)
             return
-        if divide:
+        if self._hook is None:
             # Divide while copying: one pass over the gradient instead of two.
             torch.mul(grad, self._inv_world, out=view)
         else:
@@ -666,7 +661,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         stamped when it completes."""
         self._issue(f"bucket {b}")
         if self._hook is None:
-            return self._comm.allreduce_timed(buffer, event, scale=self._inv_world if self._comm_divides[b] else None)
+            return self._comm.allreduce_timed(buffer, event) if event is not None else self._comm.allreduce(buffer)
         # A new GradBucket each time, as native hands out: hooks may set_buffer() on it.
         fut = self._hook(self._hook_state, self._grad_bucket(b, buffer))
         if not isinstance(fut, torch._C.Future):  # (c10d's get_future() is the C++ base class)
@@ -829,7 +824,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             return  # the others run a local (no_sync) or no_grad forward
         if not self._hooks_agreed:
             self._agree_on_hook()
-        self._inv_world = 1.0 / (self.world_size if self._divide_by_initial_world_size else contributors)
         zeros = [torch.zeros_like(buf) for buf in self._bucket_buffers]
         futures = [self._reduce_bucket(b, z) for b, z in enumerate(zeros)]
         if self._hook is not None:  # the order of _finalize

@@ -79,7 +79,6 @@ def main():
         t.allreduce(bigw).wait(timeout=120)
         emit(rank, "chunked-zero-copy", bool(np.all(bigw == total)))
     deferred_gathers(t, ref_comm, rank, n, exact)
-    scaled(t, ref_comm, rank, n, exact)
     # non-contiguous buffers are refused when launched, on every rank
     try:
         t.allreduce(np.zeros(10, np.float32)[::2])
@@ -180,51 +179,6 @@ def deferred_gathers(t, ref_comm, rank, n, exact):
     other[...] = 1
     t.allreduce(other).wait(timeout=60)
     emit(rank, "deferred-discarded", bool(np.all(other == n)), str(other[:3]))
-
-
-def scaled(t, ref_comm, rank, n, exact):
-    """allreduce(buf, scale=1/n), DDP's mean: bitwise the unscaled all-reduce of every rank's
-    buffer times the scale (so, at n = 2, MPI's), on both paths, chunked, deferred; refused for
-    half types; each rank's own scale (or none) applies to its own part."""
-    rng = np.random.default_rng(7 + rank)
-    big = (t._shm.scratch_bytes // 4 + 321) if t._shm else 5000  # beyond the scratch: chunked
-    for dtype in (np.float32, np.float64):
-        for size in (1, 7, 4097, 300_001, big):
-            data = (rng.standard_normal(size) * 10.0 ** rng.integers(-40, 30, size)).astype(dtype)
-            prescaled = np.multiply(data, 1.0 / n)
-            want = reference(ref_comm, prescaled)
-            own = t.empty(size, dtype)
-            own[...] = prescaled
-            t.allreduce(own).wait(timeout=120)  # this transport's sum of the prescaled buffers
-            for path in ("copy", "zero-copy", "deferred"):
-                buf = np.empty(size, dtype) if path == "copy" else t.empty(size, dtype)
-                buf[...] = data
-                t.allreduce(buf, scale=1.0 / n, defer_gather=path == "deferred").wait(timeout=120)
-                if path == "deferred":
-                    out = np.empty(size, dtype)
-                    t.gather(buf, [(0, out)])
-                    buf = out
-                name = f"scaled-{np.dtype(dtype).name}-{size}-{path}"
-                ok = buf.tobytes() == own.tobytes() and (not exact or buf.tobytes() == want.tobytes())
-                emit(rank, name, ok, f"max diff {np.max(np.abs(buf - own)):.3g} / MPI {np.max(np.abs(buf - want)):.3g}")
-    try:
-        t.allreduce(np.zeros(4, np.float16), scale=0.5)
-        emit(rank, "scaled-half-refused", False, "accepted")
-    except TypeError as e:
-        emit(rank, "scaled-half-refused", "float32/float64" in str(e), str(e))
-    # each rank its own scale: rank 0's buffer is divided already (none), the others' are not; also
-    # rank-specific scales -- the owner of each slice multiplies only the parts that ask
-    data = rng.standard_normal(300_001).astype(np.float32)
-    for label, mine in (("scaled-mixed-with-prescaled", None if rank == 0 else 1.0 / n),
-                        ("scaled-per-rank", 1.0 / (rank + 2))):
-        prescaled = np.multiply(data, 1.0 / n if mine is None else mine)
-        own = t.empty(data.size, np.float32)
-        own[...] = prescaled
-        t.allreduce(own).wait(timeout=120)
-        buf = t.empty(data.size, np.float32)
-        buf[...] = data if mine is not None else prescaled
-        t.allreduce(buf, scale=mine).wait(timeout=120)
-        emit(rank, label, buf.tobytes() == own.tobytes(), f"max diff {np.max(np.abs(buf - own)):.3g}")
 
 
 if __name__ == "__main__":
