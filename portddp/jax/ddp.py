@@ -239,6 +239,7 @@ class DistributedDataParallel(DDPCommon):
         self._callback_errors: list = []  # what the last eager step's host callbacks raised
         self._tracing_fired: set | None = None  # while a hooked step is traced: the taps whose backward ran
         self._plans: dict[str, _PlanState] = {}
+        self._lent = False  # an eager hooked step has lent bucket buffers to the caller (_lend)
         self._install_plan(plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb))
         self._rebuilt = strategy != "hooked"  # XLA schedules the other strategies: nothing to rebuild
         self._rebuild_order: list[int] | None = None
@@ -306,7 +307,8 @@ class DistributedDataParallel(DDPCommon):
         self._values_differ = []
         leaves = self._layout.leaves_of(params)
         self._issue("broadcast of rank 0's parameters")
-        self._buffers = self._free_buffers()
+        if self._lent:
+            self._buffers = self._free_buffers()
         with watchdog.waiting():
             for b, bucket in enumerate(self._plan.buckets):
                 self._pack(b, [leaves[k] for k in bucket.params], divide=False)
@@ -766,7 +768,8 @@ class DistributedDataParallel(DDPCommon):
         iteration packs into a set of buffers no array lent earlier still uses.
         The watchdog learns that a synchronised iteration is under way (a peer that already left
         before reaching it stops this rank, naming it, instead of leaving it waiting)."""
-        self._buffers = self._free_buffers()  # (what an earlier eager step lent out may be in use still)
+        if self._lent:  # what an earlier eager step lent out may be in use still
+            self._buffers = self._free_buffers()
         if self._stale_used is not None:  # a failed iteration's used counts (see _finalize)
             stale, self._stale_used = self._stale_used, None
             with watchdog.waiting(), contextlib.suppress(Exception):
@@ -998,6 +1001,7 @@ class DistributedDataParallel(DDPCommon):
         other buffers until every such array is gone (_free_buffers) -- the memory traffic of
         copying every reduced gradient into XLA's result buffers, saved."""
         specs = self._plan.specs
+        self._lent = True
         return self._layout.to_tree(self._plan, [
             jax.device_put(buf[off:off + specs[k].numel].reshape(specs[k].shape))
             for buf, bucket in zip(self._buffers, self._plan.buckets) for k, off in zip(bucket.params, bucket.offsets)])
