@@ -12,11 +12,12 @@ it offers), a scratch area and an arena that `empty()` allocates buffers from. O
    arena is used where it lies -- zero copy --, any other buffer is first copied into scratch)
    and bumps its counter;
 2. once every peer's counter has moved, local rank r sums slice r (1/L of the elements) straight
-   from every peer's memory, in local-rank order, and writes the sum into slice r of its own data and of every peer's (across hosts it first
-   all-reduces the slice with the ranks of the same local rank on the other hosts, over MPI). It
-   sums a cache-sized chunk at a time, so the copies to the peers read what is still in cache:
-   per rank, each element of its slice is read once per rank and written once per rank -- the
-   least any all-reduce that leaves the sum in every rank's own memory can do;
+   from every peer's memory, in local-rank order, and writes the sum into slice r of its own data
+   and of every peer's (across hosts it first all-reduces the slice with the ranks of the same
+   local rank on the other hosts, over MPI). It sums a cache-sized chunk at a time, so the copies
+   to the peers read what is still in cache: per rank, each element of its slice is read once per
+   rank and written once per rank -- the least any all-reduce that leaves the sum in every rank's
+   own memory can do;
 3. counters again: every rank's data holds the whole sum, and no rank reads a peer's memory
    any more, so each may reuse its buffer at once (a rank that copied into scratch copies the
    sum out of it).
@@ -223,10 +224,11 @@ class ShmAllreduce:
 
     # -- the all-reduce --------------------------------------------------------------------------
     def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> np.ndarray:
-        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. With `defer_gather` and `buf` in the arena, `buf` holds only
-        this rank's slice of the sum afterwards: `gather(buf, dests)` must follow (see the
-        module's account). A buffer whose deferred gather never ran (its iteration failed) is
-        simply reduced again: the gather is forgotten."""
+        """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. With
+        `defer_gather` and `buf` in the arena, `buf` holds only this rank's slice of the sum
+        afterwards: `gather(buf, dests)` must follow (see the module's account). A buffer whose
+        deferred gather never ran (its iteration failed) is simply reduced again: the gather is
+        forgotten."""
         if not buf.flags.c_contiguous:
             raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
         flat = buf.reshape(-1)

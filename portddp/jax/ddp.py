@@ -307,8 +307,7 @@ class DistributedDataParallel(DDPCommon):
         self._values_differ = []
         leaves = self._layout.leaves_of(params)
         self._issue("broadcast of rank 0's parameters")
-        if self._lent:
-            self._buffers = self._free_buffers()
+        self._buffers = self._free_buffers()
         with watchdog.waiting():
             for b, bucket in enumerate(self._plan.buckets):
                 self._pack(b, [leaves[k] for k in bucket.params], divide=False)
@@ -768,8 +767,7 @@ class DistributedDataParallel(DDPCommon):
         iteration packs into a set of buffers no array lent earlier still uses.
         The watchdog learns that a synchronised iteration is under way (a peer that already left
         before reaching it stops this rank, naming it, instead of leaving it waiting)."""
-        if self._lent:  # what an earlier eager step lent out may be in use still
-            self._buffers = self._free_buffers()
+        self._buffers = self._free_buffers()  # (what an earlier eager step lent may be in use still)
         if self._stale_used is not None:  # a failed iteration's used counts (see _finalize)
             stale, self._stale_used = self._stale_used, None
             with watchdog.waiting(), contextlib.suppress(Exception):
@@ -978,7 +976,9 @@ class DistributedDataParallel(DDPCommon):
         nothing but the set holds (JAX keeps the memory's owner alive while an array over it
         lives: also a numpy view the caller took of it, or a copy JAX made for a jit that donated
         it frees it). Few sets in a loop: the last step's gradients are still held while the next
-        step runs, so two alternate."""
+        step runs, so two alternate. The buffers in use while nothing was ever lent."""
+        if not self._lent:
+            return self._buffers
         sets = self._plans[self._plan.to_json()].lent
         free = [bufs for bufs in sets if all(_owner_refs(buf) <= _FREE_REFS for buf in bufs)]
         if free:  # (at most two spare sets kept: the memory of a burst of held steps goes back)
@@ -1000,19 +1000,19 @@ class DistributedDataParallel(DDPCommon):
         numpy array on CPU aliases it; anything else is copied). The next iterations pack into
         other buffers until every such array is gone (_free_buffers) -- the memory traffic of
         copying every reduced gradient into XLA's result buffers, saved."""
-        specs = self._plan.specs
         self._lent = True
-        return self._layout.to_tree(self._plan, [
-            jax.device_put(buf[off:off + specs[k].numel].reshape(specs[k].shape))
-            for buf, bucket in zip(self._buffers, self._plan.buckets) for k, off in zip(bucket.params, bucket.offsets)])
+        return self._layout.to_tree(self._plan, [jax.device_put(v) for v in self._bucket_views()])
+
+    def _bucket_views(self) -> list[np.ndarray]:
+        """Each parameter's slice of its bucket, shaped (plan order, canonical layout)."""
+        specs = self._plan.specs
+        return [buf[off:off + specs[k].numel].reshape(specs[k].shape) for buf, bucket in
+                zip(self._buffers, self._plan.buckets) for k, off in zip(bucket.params, bucket.offsets)]
 
     def _write_grads(self):
         """The reduced buckets back into the pytree: a new one of jax arrays in its own layout."""
-        specs = self._plan.specs
-        views = [buf[off:off + specs[k].numel].reshape(specs[k].shape) for buf, bucket in
-                 zip(self._buffers, self._plan.buckets) for k, off in zip(bucket.params, bucket.offsets)]
-        # Copy: the buffers are reused by the next iteration.
-        return self._layout.to_tree(self._plan, [jnp.array(v, copy=True) for v in views])
+        # Copy: the buffers are reused by the next iteration (_lend is the step's way without one).
+        return self._layout.to_tree(self._plan, [jnp.array(v, copy=True) for v in self._bucket_views()])
 
     # ---- join/uneven
     def _shadow_iteration(self, params, state, sync: bool):
