@@ -1001,7 +1001,7 @@ class DistributedDataParallel(DDPCommon):
         other buffers until every such array is gone (_free_buffers) -- the memory traffic of
         copying every reduced gradient into XLA's result buffers, saved."""
         self._lent = True
-        return self._layout.to_tree(self._plan, [jax.device_put(v) for v in self._bucket_views()])
+        return self._layout.to_tree(self._plan, jax.device_put(self._bucket_views()))  # (one batched call)
 
     def _bucket_views(self) -> list[np.ndarray]:
         """Each parameter's slice of its bucket, shaped (plan order, canonical layout)."""
