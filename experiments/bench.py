@@ -39,6 +39,7 @@ MODELS = {  # name -> Workload fields (batch: per rank)
     "gelu-mlp": {"model": "mlp", "width": 1280, "depth": 6, "activation": "gelu", "batch": 48},
     "gpt": {"model": "gpt"},  # batch: --gpt-batch
 }
+VIEW_OF = {"torch-mpi+view": "torch-mpi"}  # a variant --impls may name alone: the implementation it builds
 HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit", "jax_hooked_vs_limit",
             "jax_hooked_overlap")
 
@@ -46,7 +47,8 @@ HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit
 @dataclasses.dataclass
 class Config(runner.ExperimentConfig):
     models: tuple[str, ...] = dataclasses.field(default=tuple(MODELS), metadata={"help": "of " + ", ".join(MODELS)})
-    impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS, metadata={"help": "implementations"})
+    impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS, metadata={"help": "implementations (torch-mpi: with and without gradient_as_bucket_view; "
+                                                       "torch-mpi+view: with only)"})
     gpt_batch: int = dataclasses.field(default=4, metadata={"help": "gpt: sequences per rank per step"})
     sweep: bool = dataclasses.field(default=True, metadata={"help": "the MLP's fixed-cap sweep beside 'auto'"})
     split_frameworks: bool = dataclasses.field(
@@ -62,7 +64,7 @@ class Config(runner.ExperimentConfig):
                                      "fault pages back in that another variant's steps handed back)"})
 
     def implementations(self) -> set[str]:  # the cap sweep builds its own implementations too
-        return {*self.impls, *(self.sweep_impls if self.sweep else ())}
+        return {*(VIEW_OF.get(i, i) for i in self.impls), *(self.sweep_impls if self.sweep else ())}
 
 
 def _auto_warmup() -> int:
@@ -86,7 +88,7 @@ def variants(cfg: Config, world):
             ("jax-hooked", "jax-hooked", {}),
             ("jax-compiled", "jax-compiled", {}),
         ):
-            if impl not in cfg.impls:
+            if impl not in cfg.impls and label not in cfg.impls:  # (torch-mpi+view alone: its label)
                 continue
             group = f"{model} ({impl.split('-')[0] if impl != 'native' else 'torch'})" if cfg.split_frameworks \
                 else model

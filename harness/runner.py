@@ -64,7 +64,7 @@ class Variant:
 
 def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentConfig, object], Sequence[Variant]]
         ) -> dict:
-    check_implementations(cfg.impls)
+    check_implementations(sorted(cfg.implementations()))
     launched = detect().size
     if cfg.ranks and cfg.ranks != launched:
         raise SystemExit(f"experiment {name!r} was asked for {cfg.ranks} ranks but launched with {launched}: "

@@ -180,3 +180,15 @@ def test_portddp_run_binds_each_rank_to_its_share_of_the_cores(tmp_path, bind):
     else:
         assert rank0 == mine
     assert ("-bind-to user:" in payload["command"]) == bound, payload["command"]
+
+
+def test_the_view_variant_can_be_chosen_alone():
+    from experiments import bench as experiment
+
+    def labels(*impls):
+        cfg = experiment.Config(models=("mlp",), impls=impls, sweep=False)
+        return [v.label for v in experiment.variants(cfg, None)], cfg.implementations()
+
+    assert labels("torch-mpi+view") == (["torch-mpi+view"], {"torch-mpi"})
+    assert labels("torch-local", "torch-mpi") == (["torch-local", "torch-mpi", "torch-mpi+view"],
+                                                   {"torch-local", "torch-mpi"})
