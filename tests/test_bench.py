@@ -4,6 +4,7 @@ and end with the lines the README quotes. (The real runs are minutes long: see R
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -192,3 +193,13 @@ def test_the_view_variant_can_be_chosen_alone():
     assert labels("torch-mpi+view") == (["torch-mpi+view"], {"torch-mpi"})
     assert labels("torch-local", "torch-mpi") == (["torch-local", "torch-mpi", "torch-mpi+view"],
                                                    {"torch-local", "torch-mpi"})
+
+
+def test_step_profile_times_the_steps_and_writes_a_profile_per_rank(tmp_path):
+    proc = mpi.run(2, "experiments.step_profile", "torch-mpi+view", "mlp", timeout=240,
+                   env={"STEPS": "2", "OUT_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split()[:4] for line in lines] == [["rank", str(r), "torch-mpi+view", "mlp:"] for r in (0, 1)]
+    if shutil.which("perf") and "profile in" in lines[0]:  # (perf may be refused, e.g. perf_event_paranoid)
+        assert (tmp_path / "perf-torch-mpi+view-mlp-0.data").stat().st_size > 0
