@@ -322,7 +322,7 @@ class DistributedDataParallel(DDPCommon):
             buffers = self._new_buffers(plan)
             self._plans[key] = _PlanState(plan, buffers, [self._make_tap(b) for b in range(len(plan.buckets))], {},
                                           [buffers])
-        self._plan, self._buffers, self._taps, self._steps, _ = self._plans[key]
+        self._plan, self._buffers, self._taps, self._steps, self._buffer_sets = self._plans[key]
 
     def _grad_bucket(self, b: int, buffer: np.ndarray) -> GradBucket:
         bucket, specs = self._plan.buckets[b], self._plan.specs
@@ -979,7 +979,7 @@ class DistributedDataParallel(DDPCommon):
         step runs, so two alternate. The buffers in use while nothing was ever lent."""
         if not self._lent:
             return self._buffers
-        sets = self._plans[self._plan.to_json()].lent
+        sets = self._buffer_sets  # (this plan's)
         free = [bufs for bufs in sets if all(_owner_refs(buf) <= _FREE_REFS for buf in bufs)]
         if free:  # (at most two spare sets kept: the memory of a burst of held steps goes back)
             sets[:] = [bufs for bufs in sets if not any(bufs is extra for extra in free[3:])]
