@@ -52,6 +52,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -525,6 +526,7 @@ class DistributedDataParallel(DDPCommon):
         differentiated, and `state[0]` holds the buffers broadcast_buffers replaces with rank 0's
         (None: no state)."""
         local = jax.jit(jax.value_and_grad(fn, argnums=1, has_aux=True), static_argnums=0)
+        me = weakref.proxy(self)  # (for host callbacks: see _make_tap; the step itself holds the DDP)
 
         def local_step(static, params, state, batch):
             (loss, (aux, new_state)), grads = local(static, params, state, batch)
@@ -558,7 +560,7 @@ class DistributedDataParallel(DDPCommon):
                 self._check_same_buffers(state[0])
             self._step_count += not traced  # (traced: counted when the program runs, by _begin_iteration)
             if traced and not sync:  # an accumulation step inside the caller's jit: counted when it runs
-                taps.host_call(taps.reporting(self._count_step, self._callback_errors),
+                taps.host_call(taps.reporting(lambda: me._count_step(), self._callback_errors),
                                jax.ShapeDtypeStruct((), jnp.float32))
             joined = isinstance(batch, Joined)
             if joined and (self._uneven is None or self._uneven.count == self.world_size):
@@ -629,9 +631,10 @@ class DistributedDataParallel(DDPCommon):
         caller's own jax.jit (with the optimizer update, say); called eagerly, it is jitted here,
         and with `lend` its last callback only finalizes: the step lends the buckets (`_lend`)."""
         errors = self._callback_errors
+        me = weakref.proxy(self)  # (the host callbacks: see _make_tap)
 
         def forward_done(*_):
-            self._events.forward_end_ns = _now()
+            me._events.forward_end_ns = _now()
             return np.float32(0)
 
         # Identity on the loss whose backward records the end of forward. The loss itself is
@@ -642,23 +645,23 @@ class DistributedDataParallel(DDPCommon):
             # The reduced gradients go straight into XLA's result buffers (`outs`); the last one
             # is the scalar the next iteration traced into the same program starts from.
             outs[-1][...] = 0
-            self._finalize(outs[:-1])
+            me._finalize(outs[:-1])
 
         def finish_lent(_launched):  # eager, lent: the sums stay in the buckets (_lend)
-            self._finalize()
+            me._finalize()
             return np.float32(0)
 
         def program(static, params, state, batch, lend: bool = False):
             dead: list[int] = []  # buckets whose taps never fire: read at run time, filled at trace time
             start = taps.start_token(taps.reporting(
-                lambda: self._begin_iteration(dead, fills=not lend, lend=lend), errors))
+                lambda: me._begin_iteration(dead, fills=not lend, lend=lend), errors))
             bcast = self._will_sync_buffers(state)
 
             def tapped(params, start_value, state):
                 if bcast:  # rank 0's buffers, Bcast before the iteration starts (the token waits for it)
                     leaves, tree = jax.tree.flatten(state[0])
                     *leaves, after = taps.host_call(
-                        taps.reporting(lambda *xs: [*self._sync_buffers(xs), np.float32(0)], errors),
+                        taps.reporting(lambda *xs: [*me._sync_buffers(xs), np.float32(0)], errors),
                         [*(jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves),
                          jax.ShapeDtypeStruct((), jnp.float32)], *leaves)
                     state = (jax.tree.unflatten(tree, leaves), *state[1:])
@@ -797,13 +800,19 @@ class DistributedDataParallel(DDPCommon):
     def _make_tap(self, b: int):
         """Identity on bucket b's parameters whose backward hands their gradients to `_mark_ready`.
         When traced it records that it fires: JAX skips the rule of a tap whose outputs the loss
-        never uses, and such a bucket, not recorded, is launched as zeros (`dead`)."""
+        never uses, and such a bucket, not recorded, is launched as zeros (`dead`).
+
+        Host callbacks hold the DDP weakly (here and in every traced program): JAX keeps its
+        compiled programs, and their callbacks, in caches that outlive the DDP, and a callback
+        holding it would keep it -- and its buckets, shared memory -- alive after the caller
+        dropped it (a sweep building one DDP after another filled the shared window)."""
+        me = weakref.proxy(self)
 
         def traced() -> None:
-            if self._tracing_fired is not None:
-                self._tracing_fired.add(b)
+            if me._tracing_fired is not None:
+                me._tracing_fired.add(b)
 
-        return taps.host_tap(taps.reporting(lambda token, *grads: self._mark_ready(b, grads), self._callback_errors),
+        return taps.host_tap(taps.reporting(lambda token, *grads: me._mark_ready(b, grads), self._callback_errors),
                          on_trace=traced)
 
     def _mark_ready(self, b: int, grads) -> np.float32:
@@ -1024,13 +1033,15 @@ class DistributedDataParallel(DDPCommon):
             return None, None, state, _zeros_like(params)
         buffers = jax.tree.leaves(state[0]) if self._will_sync_buffers(state) else []
 
+        me = weakref.proxy(self)  # (a host callback: see _make_tap)
+
         def shadow(outs, *buffers):
             if buffers:
-                self._sync_buffers(buffers)
-            self._begin_iteration(fills=True)
-            for b in range(len(self._buffers)):
-                self._mark_ready(b, None)
-            self._finalize(outs)
+                me._sync_buffers(buffers)
+            me._begin_iteration(fills=True)
+            for b in range(len(me._buffers)):
+                me._mark_ready(b, None)
+            me._finalize(outs)
 
         shapes = _reduced_shapes(self._plan)
         if taps.traced(params):

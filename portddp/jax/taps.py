@@ -205,6 +205,12 @@ def reporting(callback, errors: list):
     def run(*args):
         try:
             return callback(*args)
+        except ReferenceError as e:  # (callbacks hold their DistributedDataParallel weakly)
+            error = RuntimeError(
+                "the portddp.jax DistributedDataParallel this compiled program was traced with has been "
+                "garbage-collected: keep it (or its grad_fn) alive for as long as programs traced with it run")
+            errors.append(error)
+            raise error from e
         except Exception as e:
             errors.append(e)
             raise

@@ -120,6 +120,39 @@ def held_gradients_lent():
     return f"held={len(held)} zero_copy={zero_copy}"
 
 
+def dropped_ddp_is_freed():
+    """Legal: a hooked DDP the caller drops is freed, and its buckets' shared memory returns, after
+    eager (lending) steps, steps inside the caller's jit and uneven inputs alike -- JAX's caches
+    keep the compiled programs and their host callbacks, which must not keep the DDP (a sweep
+    building one DDP after another filled the shared window and fell back to copies)."""
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    shm = get_transport()._shm
+    free = (lambda: sum(hi - lo for lo, hi in shm._free)) if shm is not None else (lambda: 0)
+    gc.collect()
+    before, alive = free(), []
+    for mode in ("eager", "jit", "uneven"):
+        params = init_params()
+        ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+        params = ddp.broadcast(params)
+        grad_fn = ddp.value_and_grad(loss_fn)
+        step = jax.jit(grad_fn) if mode == "jit" else grad_fn
+        batches = [batch(s) for s in range(2 + WORLD.rank)] if mode == "uneven" else [batch(0), batch(1)]
+        grads = None
+        for b in ddp.uneven(batches) if mode == "uneven" else batches:
+            grads = step(params, b)[1]
+        del grads
+        ref = weakref.ref(ddp)
+        del ddp, grad_fn, step
+        gc.collect()
+        if ref() is not None:
+            alive.append(mode)
+    assert not alive, f"still alive after del + gc.collect(): {alive}"
+    assert free() == before, (free(), before)
+    return f"freed=3 shm_back={shm is not None}"
+
+
 def pmap_under_mpirun():
     """strategy='pmap' in a job of 2 processes: each would train alone; refused on every rank."""
     DistributedDataParallel(init_params(), strategy="pmap")
@@ -374,6 +407,7 @@ CASES = {
     "same_local_steps_compiled": same_local_steps_compiled,
     "steps_in_one_jit": steps_in_one_jit,
     "held_gradients_lent": held_gradients_lent,
+    "dropped_ddp_is_freed": dropped_ddp_is_freed,
     "pmap_under_mpirun": pmap_under_mpirun,
     "differentiate_grad_fn": differentiate_grad_fn,
     "buffers_differ_compiled": buffers_differ_compiled,
