@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -162,6 +163,7 @@ class MPITransport:
         if self.allreduce_impl not in ("shm", "mpi"):
             raise ValueError(f"PORTDDP_MPI_ALLREDUCE={self.allreduce_impl!r}: choose shm or mpi")
         self._shm = None
+        self._warned_full = False
         sizes = set(self.comm.allgather(self.local_size))
         if self.allreduce_impl == "shm" and self.local_size > 1 and len(sizes) == 1:
             self._shm = ShmAllreduce(self.comm, self.node, wait=self._complete, half_op=_half_sum_op)
@@ -218,6 +220,15 @@ class MPITransport:
             buf = self._shm.empty(shape, dtype)
             if buf is not None:
                 return buf
+            if not self._warned_full:  # once per process: the job still trains, with copies
+                self._warned_full = True
+                warnings.warn(
+                    f"portddp: the shared-memory window has no room for a {np.dtype(dtype).name} buffer of shape "
+                    f"{tuple(int(d) for d in np.atleast_1d(shape))} (PORTDDP_SHM_ARENA_MB={self._shm.arena_bytes >> 20} MB per rank, "
+                    f"or /dev/shm is full): its all-reduces copy it through the scratch area instead of reducing it "
+                    "where it lies. Set PORTDDP_SHM_ARENA_MB higher, alike on every rank (address space: pages are "
+                    "used only as buffers are handed out), or free the DistributedDataParallel objects you no "
+                    "longer use", RuntimeWarning, stacklevel=2)
         return np.empty(shape, dtype)
 
     def is_shared(self, buf: np.ndarray) -> bool:

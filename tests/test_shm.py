@@ -86,3 +86,30 @@ os.write(1, f"TORCH_SHM_OK {c.rank}\\n".encode())
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PORTDDP_MPI_ALLREDUCE": "shm"})
     assert proc.stdout.count("TORCH_SHM_OK") == 2, proc.stdout + proc.stderr[-3000:]
+
+
+def test_a_full_window_warns_once_and_still_reduces():
+    """Buffers the shared window cannot hold come from ordinary memory (all-reduced through the
+    scratch area, still right), and the first one says so, naming PORTDDP_SHM_ARENA_MB."""
+    import subprocess  # noqa: PLC0415
+
+    code = """
+import os, warnings
+import numpy as np
+from portddp.transport import MPITransport
+t = MPITransport()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    a = t.empty(400_000, np.float32)  # 1.6 MB: more than the 1 MB window
+    b = t.empty(300_000, np.float32)
+a[...] = t.rank + 1
+t.allreduce(a).wait(timeout=60)
+said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+assert not t.is_shared(a) and not t.is_shared(b) and (a == 3).all(), said
+assert len(said) == 1 and "PORTDDP_SHM_ARENA_MB=1 MB" in said[0] and "(400000,)" in said[0], said
+os.write(1, f"FULL_OK {t.rank}\\n".encode())
+"""
+    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code], cwd=mpi.ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PORTDDP_MPI_ALLREDUCE": "shm", "PORTDDP_SHM_ARENA_MB": "1"})
+    assert proc.stdout.count("FULL_OK") == 2, proc.stdout + proc.stderr[-3000:]
