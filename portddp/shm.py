@@ -125,7 +125,7 @@ class ShmAllreduce:
         mb = 1 << 20
         self.scratch_bytes = _round(int(scratch_bytes or float(os.environ.get("PORTDDP_SHM_SCRATCH_MB", 16)) * mb))
         self.arena_bytes = _round(int(arena_bytes if arena_bytes is not None
-                                      else float(os.environ.get("PORTDDP_SHM_ARENA_MB", 1024)) * mb))
+                                      else float(os.environ.get("PORTDDP_SHM_ARENA_MB", 4096)) * mb))
         # every rank must chunk alike: same scratch size everywhere
         if len(set(comm.allgather(self.scratch_bytes))) != 1:
             raise ValueError("PORTDDP_SHM_SCRATCH_MB differs between ranks")
