@@ -46,6 +46,8 @@ CASES = {
     "steps_in_one_jit": r"OK max_rel=",
     "held_gradients_lent": r"OK held=4 zero_copy=True$",
     "dropped_ddp_is_freed": r"OK freed=3 shm_back=True$",
+    "program_outlives_its_ddp": r"RuntimeError: the portddp\.jax DistributedDataParallel this compiled program was "
+                                r"traced with has been garbage-collected: keep it \(or its grad_fn\) alive",
     "buffers_differ_compiled": r"ValueError: model buffers \(non-Param state, e\.g\. BatchStat\) differ across ranks: "
                                r"buffer #0 is \['stat'\]\.value \(3,\) float32 on rank 0 but \['stat'\]\.value \(4,\)",
     "differentiate_grad_fn": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) cannot be differentiated "

@@ -205,7 +205,10 @@ def reporting(callback, errors: list):
     def run(*args):
         try:
             return callback(*args)
-        except ReferenceError as e:  # (callbacks hold their DistributedDataParallel weakly)
+        except ReferenceError as e:
+            if "no longer exists" not in str(e):  # (not the proxy through which callbacks hold their DDP)
+                errors.append(e)
+                raise
             error = RuntimeError(
                 "the portddp.jax DistributedDataParallel this compiled program was traced with has been "
                 "garbage-collected: keep it (or its grad_fn) alive for as long as programs traced with it run")

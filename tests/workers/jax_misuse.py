@@ -153,6 +153,27 @@ def dropped_ddp_is_freed():
     return f"freed=3 shm_back={shm is not None}"
 
 
+def program_outlives_its_ddp():
+    """A step jitted around grad_fn, run again after the DDP and grad_fn were dropped (the program
+    stays in JAX's cache; its callbacks hold the DDP weakly): refused on every rank, naming why,
+    before any collective."""
+    import gc  # noqa: PLC0415
+
+    params = init_params()
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    holder = {"grad_fn": grad_fn}
+    step = jax.jit(lambda p, x: holder["grad_fn"](p, x)[1])
+    jax.block_until_ready(step(params, batch(0)))
+    del ddp, grad_fn, holder["grad_fn"]
+    gc.collect()
+    try:
+        jax.block_until_ready(step(params, batch(1)))
+    except Exception as e:  # XLA's error quotes the callback's traceback; its last line is ours
+        raise RuntimeError(str(e).strip().splitlines()[-1].removeprefix("RuntimeError: ")) from None
+    return "ran"
+
+
 def pmap_under_mpirun():
     """strategy='pmap' in a job of 2 processes: each would train alone; refused on every rank."""
     DistributedDataParallel(init_params(), strategy="pmap")
@@ -408,6 +429,7 @@ CASES = {
     "steps_in_one_jit": steps_in_one_jit,
     "held_gradients_lent": held_gradients_lent,
     "dropped_ddp_is_freed": dropped_ddp_is_freed,
+    "program_outlives_its_ddp": program_outlives_its_ddp,
     "pmap_under_mpirun": pmap_under_mpirun,
     "differentiate_grad_fn": differentiate_grad_fn,
     "buffers_differ_compiled": buffers_differ_compiled,
