@@ -28,18 +28,13 @@ import dataclasses
 import math
 
 from harness import runner
+from harness.runner import GPT_BATCH, MODELS, VIEW_OF, bench_model_fields
 from harness.adapter import IMPLEMENTATIONS
 from harness.config import parse_config
 from harness.results import write_result
 from portddp.autotune import CANDIDATES_MB, CapTuner
 
 TORCH_DDP = ("torch-c10d", "torch-mpi", "torch-mpi+view")
-MODELS = {  # name -> Workload fields (batch: per rank)
-    "mlp": {"model": "mlp"},  # the config's --width, --depth, --batch: 8 x Linear(1024), 64 by default
-    "gelu-mlp": {"model": "mlp", "width": 1280, "depth": 6, "activation": "gelu", "batch": 48},
-    "gpt": {"model": "gpt"},  # batch: --gpt-batch
-}
-VIEW_OF = {"torch-mpi+view": "torch-mpi"}  # a variant --impls may name alone: the implementation it builds
 HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit", "jax_hooked_vs_limit",
             "jax_hooked_overlap")
 
@@ -49,7 +44,7 @@ class Config(runner.ExperimentConfig):
     models: tuple[str, ...] = dataclasses.field(default=tuple(MODELS), metadata={"help": "of " + ", ".join(MODELS)})
     impls: tuple[str, ...] = dataclasses.field(default=IMPLEMENTATIONS, metadata={"help": "implementations (torch-mpi: with and without gradient_as_bucket_view; "
                                                        "torch-mpi+view: with only)"})
-    gpt_batch: int = dataclasses.field(default=4, metadata={"help": "gpt: sequences per rank per step"})
+    gpt_batch: int = dataclasses.field(default=GPT_BATCH, metadata={"help": "gpt: sequences per rank per step"})
     sweep: bool = dataclasses.field(default=True, metadata={"help": "the MLP's fixed-cap sweep beside 'auto'"})
     split_frameworks: bool = dataclasses.field(
         default=False, metadata={"help": "time PyTorch and JAX variants in separate groups (half the models in "
@@ -77,7 +72,7 @@ def variants(cfg: Config, world):
     if unknown:
         raise SystemExit(f"unknown model(s) {unknown}: choose from {tuple(MODELS)}")
     for model in cfg.models:
-        shape = MODELS[model] | ({"batch": cfg.gpt_batch} if model == "gpt" else {})
+        shape = bench_model_fields(model, cfg.gpt_batch)
         for label, impl, knobs in (
             ("torch-local", "torch-local", {}),
             ("native", "native", {}),

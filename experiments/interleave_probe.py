@@ -16,10 +16,9 @@ import statistics
 import sys
 
 import portddp
-from harness.adapter import Workload, make_trainer
+from harness.adapter import make_trainer
+from harness.runner import MODELS, bench_workload
 
-SHAPES = {"gpt": {"model": "gpt", "batch": 4, "seq": 64}, "mlp": {"model": "mlp"},
-          "gelu-mlp": {"model": "mlp", "width": 1280, "depth": 6, "activation": "gelu", "batch": 48}}
 VARIANTS = (("limit", "torch-local", {}), ("ddp", "torch-mpi", {"gradient_as_bucket_view": True}))
 
 
@@ -33,9 +32,11 @@ def timed(trainer, steps: int) -> list[float]:
 
 
 def main(model: str = "gpt", rounds: int = 8, per_turn: int = 3) -> None:
+    if model not in MODELS:
+        raise SystemExit(f"unknown model {model!r}: choose from {tuple(MODELS)}")
     world = portddp.init()
     say = print if world.rank == 0 else (lambda *a, **k: None)
-    trainers = {name: make_trainer(impl, Workload(**SHAPES[model]), world, **knobs)
+    trainers = {name: make_trainer(impl, bench_workload(model), world, **knobs)
                 for name, impl, knobs in VARIANTS}
     for t in trainers.values():
         timed(t, 6)

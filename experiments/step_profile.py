@@ -24,19 +24,17 @@ import time
 from pathlib import Path
 
 import portddp
-from harness.adapter import Workload, make_trainer
+from harness.adapter import make_trainer
+from harness.runner import MODELS, VIEW_OF, bench_workload
 
-SHAPES = {"mlp": {"model": "mlp"}, "gelu-mlp": {"model": "mlp", "width": 1280, "depth": 6, "activation": "gelu",
-                                                "batch": 48},
-          "gpt": {"model": "gpt", "batch": 4, "seq": 64}}
 
 
 def main(impl: str = "jax-hooked", model: str = "mlp") -> None:
-    if model not in SHAPES:
-        raise SystemExit(f"unknown model {model!r}: choose from {tuple(SHAPES)}")
+    if model not in MODELS:
+        raise SystemExit(f"unknown model {model!r}: choose from {tuple(MODELS)}")
     world = portddp.init()
-    knobs = {"gradient_as_bucket_view": True} if impl == "torch-mpi+view" else {}
-    trainer = make_trainer(impl.removesuffix("+view"), Workload(**SHAPES[model]), world, **knobs)
+    knobs = {"gradient_as_bucket_view": True} if impl in VIEW_OF else {}
+    trainer = make_trainer(VIEW_OF.get(impl, impl), bench_workload(model), world, **knobs)
     for _ in range(8):
         trainer.step()
     steps = int(os.environ.get("STEPS", 40))

@@ -163,9 +163,34 @@ def _binding() -> str:
     return f" {bound}" if bound else ""
 
 
+# The benchmark's models (experiments.bench, and the probes beside it): name -> Workload fields.
+MODELS = {
+    "mlp": {"model": "mlp"},  # the config's --width, --depth, --batch: 8 x Linear(1024), 64 by default
+    "gelu-mlp": {"model": "mlp", "width": 1280, "depth": 6, "activation": "gelu", "batch": 48},
+    "gpt": {"model": "gpt"},  # batch: --gpt-batch
+}
+GPT_BATCH = 4  # the gpt's sequences per rank per step
+VIEW_OF = {"torch-mpi+view": "torch-mpi"}  # a variant named alone: the implementation it builds, with the view
+
+
+def bench_model_fields(model: str, gpt_batch: int = GPT_BATCH) -> dict:
+    """The Workload fields the benchmark's `model` changes from an experiment's config."""
+    return MODELS[model] | ({"batch": gpt_batch} if model == "gpt" else {})
+
+
+def bench_workload(model: str) -> Workload:
+    """The Workload the benchmark trains `model` with by default."""
+    return workload_of(ExperimentConfig(), bench_model_fields(model))
+
+
 def _workload(cfg: ExperimentConfig, v: Variant) -> Workload:
+    return workload_of(cfg, v.model)
+
+
+def workload_of(cfg, model: dict) -> Workload:
+    """The Workload an experiment's config describes, with `model`'s fields changed."""
     fields = {f.name for f in dataclasses.fields(Workload)}
-    return Workload(**{k: getattr(cfg, k) for k in fields} | v.model)
+    return Workload(**{k: getattr(cfg, k) for k in fields} | model)
 
 
 def _gather_cpu(meter: CpuMeter) -> dict:

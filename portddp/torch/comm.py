@@ -140,23 +140,16 @@ class MPIComm(_Comm):
         return self.transport.is_shared(_numpy_view(tensor))
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        fut = torch.futures.Future()
-
-        def resolve(handle):  # on the comm thread
-            if handle._error is not None:
-                fut.set_exception(handle._error)
-            else:
-                fut.set_result(tensor)
-
-        self.transport.allreduce(_numpy_view(tensor), on_done=resolve)
-        return fut
+        return self.allreduce_timed(tensor, None)
 
     def allreduce_timed(self, tensor: torch.Tensor, event) -> torch.futures.Future:
-        """DDP's bucket all-reduce, `event.done_ns` stamped when the comm thread has finished it."""
+        """DDP's bucket all-reduce, `event.done_ns` (if an event is given) stamped when the comm
+        thread has finished it."""
         fut = torch.futures.Future()
 
         def resolve(handle):  # on the comm thread
-            event.done_ns = handle.done_ns
+            if event is not None:
+                event.done_ns = handle.done_ns
             if handle._error is not None:
                 fut.set_exception(handle._error)
             else:
