@@ -29,6 +29,7 @@ from harness.results import environment, median, write_result
 from portddp import cluster
 from portddp.launch import detect
 from portddp.timeline import IterationEvents, chrome_trace
+from portddp.transport import get_transport
 
 __all__ = ["ExperimentConfig", "Variant", "run"]
 
@@ -106,6 +107,9 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 gc.collect()  # as timeit does: no collector pause inside a timed step
                 gc.disable()
                 try:
+                    # Every turn starts together: else a communicating variant's first step would
+                    # include its peers' lateness (their collection, a local variant's drift).
+                    get_transport().barrier()
                     before = _settled_interface_bytes()
                     cpu[label].start()
                     for _ in range(cfg.steps_per_round):
@@ -195,8 +199,6 @@ def workload_of(cfg, model: dict) -> Workload:
 
 def _gather_cpu(meter: CpuMeter) -> dict:
     """CPU seconds per step: every rank's (by group and by thread name), and their mean by group."""
-    from portddp.transport import get_transport  # noqa: PLC0415
-
     everyone = get_transport().allgather_object(meter.per_step())
     mean = {k: statistics.fmean(r[k] for r in everyone) for k in ("total", *GROUPS, "wall")}
     return {**mean, "per_rank": everyone}
@@ -212,8 +214,6 @@ def _settled_interface_bytes() -> dict | None:
     next's (plus the barrier's few bytes)."""
     if cluster.cluster_info() is None:
         return None
-    from portddp.transport import get_transport  # noqa: PLC0415
-
     get_transport().barrier()
     return cluster.interface_bytes()
 
@@ -221,8 +221,6 @@ def _settled_interface_bytes() -> dict | None:
 def _hosts_mean(samples: list[float], world) -> float | None:
     """Bytes a host sent per step, averaged over the hosts (each host's first rank reads its
     interface; the others report nothing); None outside the emulated cluster."""
-    from portddp.transport import get_transport  # noqa: PLC0415
-
     mine = median(samples) if samples and world.local_rank == 0 else None
     everyone = [x for x in get_transport().allgather_object(mine) if x is not None]
     return sum(everyone) / len(everyone) if everyone else None
@@ -230,8 +228,6 @@ def _hosts_mean(samples: list[float], world) -> float | None:
 
 def _gather_events(members, trainers) -> list:
     """(label, every rank's last IterationEvents) for each variant that records events."""
-    from portddp.transport import get_transport  # noqa: PLC0415
-
     mine = {v.label: e.to_dict() for v in members if (e := trainers[v.label].events()) is not None}
     everyone = get_transport().allgather_object(mine)
     return [(label, [IterationEvents.from_dict(ranks[label]) for ranks in everyone]) for label in mine]
