@@ -183,18 +183,6 @@ class ShmAllreduce:
                     merged.append((a, b))
             self._free = merged
 
-    def own_ranges(self, count: int, itemsize: int) -> list[tuple[int, int]]:
-        """The element ranges [lo, hi) of a `count`-element all-reduce that this rank sums (its
-        slice of every chunk): `allreduce(buf, own=...)` may hand over its values for them."""
-        chunk = max(self.scratch_bytes // itemsize, 1)
-        ranges = []
-        for start in range(0, count, chunk):
-            bounds = _bounds(min(chunk, count - start), self.local_size, itemsize)
-            lo, hi = bounds[self.local_rank], bounds[self.local_rank + 1]
-            if hi > lo:
-                ranges.append((start + lo, start + hi))
-        return ranges
-
     def offset_of(self, buf: np.ndarray) -> int | None:
         """Where `buf` lies in my segment (None if it does not)."""
         addr = buf.ctypes.data
@@ -235,18 +223,12 @@ class ShmAllreduce:
         self.wall_waiting += time.perf_counter() - t0
 
     # -- the all-reduce --------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, defer_gather: bool = False, own=None) -> np.ndarray:
+    def allreduce(self, buf: np.ndarray, defer_gather: bool = False) -> np.ndarray:
         """Sum `buf` (C-contiguous) over every rank of `comm`, in place; blocking. With
         `defer_gather` and `buf` in the arena, `buf` holds only this rank's slice of the sum
         afterwards: `gather(buf, dests)` must follow (see the module's account). A buffer whose
         deferred gather never ran (its iteration failed) is simply reduced again: the gather is
-        forgotten.
-
-        `own=(pieces, scale)` (`buf` in the arena): this rank's values for parts of the ranges it
-        sums itself (`own_ranges`) are not in `buf` but in `pieces`, (element offset, flat array)
-        pairs sorted by offset, each inside one such range; they are read from there, times `scale`
-        (None: as they are), as the sum needs them -- packing them into `buf` first would write
-        and read them once more. No peer reads them: the sum still ends up in `buf`."""
+        forgotten."""
         if not buf.flags.c_contiguous:
             raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
         flat = buf.reshape(-1)
@@ -257,15 +239,11 @@ class ShmAllreduce:
         item = flat.dtype.itemsize
         chunk = max(self.scratch_bytes // item, 1)
         home = self.offset_of(flat)
-        if own is not None and home is None:
-            raise ValueError("all-reduce with `own` values needs a buffer from the shared window (empty())")
-        pieces, scale = own if own is not None else ([], None)
         defer = defer_gather and home is not None
         chunks = []
         for start in range(0, max(flat.size, 1), chunk):
             part = flat[start:start + chunk]
-            mine = [(off - start, arr) for off, arr in pieces if start <= off < start + chunk]
-            views, bounds = self._one(part, None if home is None else home + start * item, defer, (mine, scale))
+            views, bounds = self._one(part, None if home is None else home + start * item, defer)
             chunks.append((start, views, bounds))  # views None: the whole sum is in buf already
         if defer:
             self._pending[key] = chunks
@@ -290,7 +268,7 @@ class ShmAllreduce:
                 if b > a:
                     scatter_into(dests, start + a, views[j][a:b])
 
-    def _one(self, part: np.ndarray, offset: int | None, defer: bool, own) -> tuple[list | None, list[int]]:
+    def _one(self, part: np.ndarray, offset: int | None, defer: bool) -> tuple[list | None, list[int]]:
         me, n = self.local_rank, self.local_size
         dtype, count = part.dtype, part.size
         scratch = offset is None
@@ -316,12 +294,10 @@ class ShmAllreduce:
         lo, hi = bounds[me], bounds[me + 1]
         if hi > lo:
             parts = [v[lo:hi] for v in views]
-            pieces, scale = own
-            fill = _filler(parts[me], [(o - lo, a) for o, a in pieces], scale) if pieces else None
             if self.cross is None:
-                _reduce_into([parts[me]] + [parts[j] for j in peers], parts, me, fill)
+                _reduce_into([parts[me]] + [parts[j] for j in peers], parts, me)
             else:  # my slice of the host's sum, then summed over the hosts, then shared within the host
-                _reduce_into([parts[me]], parts, me, fill)
+                _reduce_into([parts[me]], parts, me)
                 self._cross_allreduce(parts[me])
                 for j in peers:
                     parts[j][...] = parts[me]
@@ -410,11 +386,10 @@ def _bounds(count: int, n: int, itemsize: int) -> list[int]:
 _CHUNK_BYTES = 1 << 20  # summed a chunk at a time: the copies to the peers read it from cache
 
 
-def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int, fill=None) -> None:
+def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int) -> None:
     """Every array of `dests` = ((parts[0] + parts[1]) + parts[2]) + ..., a cache-sized chunk at a
     time. dests[0] is parts[me]'s memory: the sum is made there (read before it is written) and
-    copied from cache into the others. `fill(a, b)`, if given, first writes elements [a, b) of
-    parts[me] (this rank's values that were not packed into it)."""
+    copied from cache into the others."""
     add = _half_add if parts[0].dtype.name in ("float16", "bfloat16") else np.add
     if len(parts) == 2 and me == 1:  # a sum of two is commutative (bitwise): start from my own part
         parts = parts[::-1]
@@ -424,8 +399,6 @@ def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int, fill
     acc = None if first else np.empty(step, parts[0].dtype)
     for a in range(0, count, step):
         b = min(a + step, count)
-        if fill is not None:
-            fill(a, b)
         out = dests[0][a:b]
         s = out if first else acc[:b - a]
         add(parts[0][a:b], parts[1][a:b], s)
@@ -435,27 +408,6 @@ def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int, fill
             out[...] = s
         for d in dests[1:]:
             d[a:b] = out
-
-
-def _filler(dest: np.ndarray, pieces: list[tuple[int, np.ndarray]], scale):
-    """fill(a, b): elements [a, b) of `dest` from `pieces` ((offset, flat array) pairs sorted by
-    offset), times `scale` -- as torch's `mul(grad, scale, out=bucket)` rounds it: one multiply in
-    the array's own type -- where the pieces cover them."""
-    factor = None if scale is None else dest.dtype.type(scale)
-
-    def fill(a: int, b: int) -> None:
-        first = max(bisect.bisect_right(pieces, a, key=lambda p: p[0]) - 1, 0)
-        for off, src in pieces[first:]:
-            if off >= b:
-                break
-            lo, hi = max(a, off), min(b, off + src.size)
-            if hi > lo:
-                if factor is None:
-                    dest[lo:hi] = src[lo - off:hi - off]
-                else:
-                    np.multiply(src[lo - off:hi - off], factor, out=dest[lo:hi])
-
-    return fill
 
 
 def scatter_into(dests: list[tuple[int, np.ndarray]], start: int, src: np.ndarray) -> None:

@@ -196,7 +196,6 @@ class MPITransport:
                 handle._error = e
             handle.done_ns = time.perf_counter_ns()
             handle._finish()
-            del item, job, handle  # what the job held (a DDP's unpacked gradients) goes now, not at the next
 
     def _submit(self, job, on_done=None) -> Handle:
         if self._thread is None:
@@ -236,34 +235,21 @@ class MPITransport:
         """Whether `allreduce(buf)` takes the zero-copy path (buf lies in the shared window)."""
         return self._shm is not None and self._shm.offset_of(buf) is not None
 
-    def own_ranges(self, buf: np.ndarray) -> list[tuple[int, int]] | None:
-        """The element ranges of `buf` this rank sums itself, whose values `allreduce(buf, own=...)`
-        can take from elsewhere; None when `buf` is not reduced where it lies (not shared)."""
-        if not self.is_shared(buf):
-            return None
-        return self._shm.own_ranges(buf.size, buf.itemsize)
-
-    def allreduce(self, buf: np.ndarray, on_done=None, defer_gather: bool = False, own=None) -> Handle:
+    def allreduce(self, buf: np.ndarray, on_done=None, defer_gather: bool = False) -> Handle:
         """Sum `buf` over all ranks, in place. Returns at once.
 
         `defer_gather`: the caller will copy the sum out with `gather(buf, dests)` (and reads it
         nowhere else): on the shared-memory path `buf` then holds only this rank's slice, and the
         other slices go from their owners' memory straight into `dests` -- one copy fewer. The
         caller issues no further collective that would let a peer reuse its buffer before that
-        (portddp/shm.py).
-
-        `own=(pieces, scale)`, for a shared `buf` only: this rank's values for parts of its
-        `own_ranges` are in `pieces` ((element offset, flat array) pairs, sorted), times `scale`,
-        not in `buf`; they must stay unchanged until the handle completes."""
+        (portddp/shm.py)."""
         spec, op = self._typed(buf)
         MPI = self._MPI
         shm = self._shm
-        if own is not None and not self.is_shared(buf):
-            raise ValueError("allreduce(own=...) needs a buffer from the shared window (empty())")
 
         def job():
             if shm is not None:
-                shm.allreduce(buf, defer_gather=defer_gather, own=own)
+                shm.allreduce(buf, defer_gather=defer_gather)
             elif self._spin:
                 self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
             else:

@@ -38,11 +38,6 @@ class _Comm:
         """A zeroed bucket buffer."""
         return torch.zeros(numel, dtype=dtype, device=device)
 
-    def own_ranges(self, tensor: torch.Tensor) -> list[tuple[int, int]] | None:
-        """The ranges of a bucket this rank sums itself and can read from elsewhere (MPIComm's
-        shared-memory path); None: the whole bucket must be packed."""
-        return None
-
     def broadcast_(self, tensors, src: int = 0) -> None:
         """Overwrite `tensors` with rank `src`'s values (coalesced per dtype). As native's broadcast,
         it does not bump their autograd version counters (`.data`, not `.detach()`): a BatchNorm's
@@ -144,23 +139,13 @@ class MPIComm(_Comm):
         """Whether `allreduce(tensor)` takes the zero-copy path."""
         return self.transport.is_shared(_numpy_view(tensor))
 
-    def own_ranges(self, tensor: torch.Tensor) -> list[tuple[int, int]] | None:
-        """The element ranges of a bucket buffer this rank sums itself (see `allreduce_timed`'s
-        `own`); None when the buffer is not reduced in place."""
-        return self.transport.own_ranges(_numpy_view(tensor))
-
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
         return self.allreduce_timed(tensor, None)
 
-    def allreduce_timed(self, tensor: torch.Tensor, event, own=None) -> torch.futures.Future:
+    def allreduce_timed(self, tensor: torch.Tensor, event) -> torch.futures.Future:
         """DDP's bucket all-reduce, `event.done_ns` (if an event is given) stamped when the comm
-        thread has finished it. `own=(pieces, scale)`: (element offset, flat tensor) pairs inside
-        `own_ranges(tensor)` whose values, times `scale`, stand for the tensor's there -- read by
-        the sum itself instead of packed into the bucket first (they must not change until the
-        future completes)."""
+        thread has finished it."""
         fut = torch.futures.Future()
-        if own is not None:
-            own = ([(off, _numpy_view(t)) for off, t in own[0]], own[1])
 
         def resolve(handle):  # on the comm thread
             if event is not None:
@@ -170,7 +155,7 @@ class MPIComm(_Comm):
             else:
                 fut.set_result(tensor)
 
-        self.transport.allreduce(_numpy_view(tensor), on_done=resolve, own=own)
+        self.transport.allreduce(_numpy_view(tensor), on_done=resolve)
         return fut
 
     def _broadcast_flat(self, flat, src):

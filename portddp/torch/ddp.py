@@ -369,19 +369,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._bucket_buffers = [self._comm.zeros(b.numel, getattr(torch, b.dtype), self.device) for b in plan.buckets]
         self._bucket_of = [0] * len(self._params)
         self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
-        # Parameters whose place in their bucket lies in a range this rank sums itself (MPI's
-        # shared-memory path): the sum reads their gradients where autograd left them, so they
-        # are not packed -- only what the peers read must be in the shared bucket. The offset, or
-        # -1: packed. (float32/float64: the sum applies the division as torch's mul would.)
-        self._unpacked_at = [-1] * len(self._params)
         for b, bucket in enumerate(plan.buckets):
-            mine = self._comm.own_ranges(self._bucket_buffers[b]) if bucket.dtype in ("float32", "float64") else None
             for i, off in zip(bucket.params, bucket.offsets):
                 p = self._params[i]
                 self._bucket_of[i] = b
                 self._views[i] = self._bucket_buffers[b][off:off + p.numel()].view_as(p)
-                if mine and any(lo <= off and off + p.numel() <= hi for lo, hi in mine):
-                    self._unpacked_at[i] = off
                 if self.gradient_as_bucket_view and p.grad is not None:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
@@ -537,7 +529,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._pending = list(self._bucket_sizes)  # params still to arrive, per bucket
         self._next_launch = 0  # buckets launch strictly in plan order
         self._futures: list = [None] * n_buckets
-        self._unpacked: list[list] = [[] for _ in range(n_buckets)]  # (offset, gradient) the sum reads
         self._seen = bytearray(len(self._params))
         self._nonfinite = bytearray(len(self._params))
         self._ready_order: list[int] = []
@@ -647,14 +638,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             if self._hook is None:
                 view.mul_(self._inv_world)
             return
-        off = self._unpacked_at[i]
-        if off >= 0 and self._hook is None and grad is param.grad and grad.dtype == view.dtype and (
-                grad.is_contiguous() and self._last_hook(i, param)):
-            # Read by the sum where it lies (and freed once it is read, with gradient_as_bucket_view).
-            self._unpacked[self._bucket_of[i]].append((off, grad.view(-1)))
-            if self.gradient_as_bucket_view:
-                param.grad = view
-            return
         if self._hook is None:
             # Divide while copying: one pass over the gradient instead of two.
             torch.mul(grad, self._inv_world, out=view)
@@ -662,12 +645,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             view.copy_(grad)
         if self.gradient_as_bucket_view and not param.grad.requires_grad:
             param.grad = view
-
-    def _last_hook(self, i: int, param: torch.Tensor) -> bool:
-        """Whether ours is the last of param i's post-accumulate-grad hooks: none of the script's
-        runs after it, so nothing changes the gradient in place before the sum has read it."""
-        hooks = param._post_accumulate_grad_hooks
-        return bool(hooks) and next(reversed(hooks)) == self._hook_handles[i].id
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._bucket_buffers) and self._pending[self._next_launch] == 0:
@@ -684,13 +661,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         stamped when it completes."""
         self._issue(f"bucket {b}")
         if self._hook is None:
-            if event is None:
-                return self._comm.allreduce(buffer)
-            if self._unpacked[b]:
-                own = (sorted(self._unpacked[b], key=lambda piece: piece[0]), self._inv_world)
-                self._unpacked[b] = []  # (the all-reduce holds them until it has read them)
-                return self._comm.allreduce_timed(buffer, event, own=own)
-            return self._comm.allreduce_timed(buffer, event)
+            return self._comm.allreduce_timed(buffer, event) if event is not None else self._comm.allreduce(buffer)
         # A new GradBucket each time, as native hands out: hooks may set_buffer() on it.
         fut = self._hook(self._hook_state, self._grad_bucket(b, buffer))
         if not isinstance(fut, torch._C.Future):  # (c10d's get_future() is the C++ base class)
@@ -904,9 +875,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """DESIGN.md metrics of the last synchronised iteration, plus its events."""
         if self._last_events is None:
             return {}
-        extra = {"iterations": self._iterations, "plan_rebuilt": self._rebuilt, "bucket_cap_mb": self.bucket_cap_mb,
-                 # parameters whose gradients the shared-memory sum reads where they lie (not packed)
-                 "unpacked_params": sum(off >= 0 for off in self._unpacked_at)}
+        extra = {"iterations": self._iterations, "plan_rebuilt": self._rebuilt, "bucket_cap_mb": self.bucket_cap_mb}
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra

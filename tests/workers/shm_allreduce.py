@@ -79,7 +79,6 @@ def main():
         t.allreduce(bigw).wait(timeout=120)
         emit(rank, "chunked-zero-copy", bool(np.all(bigw == total)))
     deferred_gathers(t, ref_comm, rank, n, exact)
-    own_values(t, ref_comm, rank, n, exact)
     # non-contiguous buffers are refused when launched, on every rank
     try:
         t.allreduce(np.zeros(10, np.float32)[::2])
@@ -180,42 +179,6 @@ def deferred_gathers(t, ref_comm, rank, n, exact):
     other[...] = 1
     t.allreduce(other).wait(timeout=60)
     emit(rank, "deferred-discarded", bool(np.all(other == n)), str(other[:3]))
-
-
-def own_values(t, ref_comm, rank, n, exact):
-    """allreduce(buf, own=(pieces, scale)): this rank's values for parts of the ranges it sums
-    itself come from other arrays, times `scale` (portddp.torch's gradients that are not packed):
-    the same bits as packing them first. Pieces at odd places, a third of each range left packed,
-    a buffer of several chunks; refused for a buffer outside the window."""
-    try:
-        t.allreduce(np.zeros(8, np.float32), own=([], 0.5))
-        emit(rank, "own-values-refused", False, "accepted")
-    except ValueError as e:
-        emit(rank, "own-values-refused", "shared window" in str(e), str(e))
-    if t._shm is None:
-        return
-    rng = np.random.default_rng(7 + rank)
-    for dtype, scale in ((np.float32, 1.0 / n), (np.float64, 1.0 / n), (np.float32, None)):
-        for size in (1000, t._shm.scratch_bytes // np.dtype(dtype).itemsize * 2 + 777):
-            data = rng.standard_normal(size).astype(dtype)
-            packed = data if scale is None else data * np.dtype(dtype).type(scale)  # as torch's mul rounds
-            want = reference(ref_comm, packed)
-            buf = t.empty(size, dtype)
-            buf[...] = packed
-            pieces = []
-            for lo, hi in t.own_ranges(buf):
-                third = (hi - lo) // 3
-                for a, b in ((lo, lo + third + 1), (hi - third, hi)):  # the middle third stays packed
-                    pieces.append((a, data[a:b].copy()))
-                    buf[a:b] = np.nan  # must not be read
-            t.allreduce(buf, own=(pieces, scale)).wait(timeout=120)
-            name = f"own-values-{np.dtype(dtype).name}-{size}-{'scaled' if scale else 'as-is'}"
-            if exact:
-                emit(rank, name, buf.tobytes() == want.tobytes(), f"max diff {np.nanmax(np.abs(buf - want)):.3g}")
-            else:
-                emit(rank, name, bool(np.allclose(buf, want, rtol=1e-5, atol=1e-6)), f"{np.max(np.abs(buf - want))}")
-            if len(set(ref_comm.allgather(buf.tobytes()))) != 1:
-                emit(rank, name + "-agree", False, "ranks differ")
 
 
 if __name__ == "__main__":
