@@ -6,7 +6,9 @@ The benchmark times every variant in interleaved rounds (a few steps of each in 
 the machine's drift hits them alike. This probe times the step without communication
 (torch-local, the limit) and portddp.torch over MPI with gradient_as_bucket_view (the best
 torch row) both ways in one job, twice: in blocks (all of one's steps, then all of the other's)
-and interleaved (3 steps each in turn), and prints each way's medians and their ratio.
+and interleaved (3 steps each in turn), and prints each way's medians and their ratio. Every
+block and turn starts with a barrier, as the benchmark's turns do (without one, a DDP turn right
+after the limit's began with the ranks' drift over the limit's steps).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import portddp
 from harness.adapter import make_trainer
 from harness.runner import MODELS, bench_workload
+from portddp.transport import get_transport
 
 VARIANTS = (("limit", "torch-local", {}), ("ddp", "torch-mpi", {"gradient_as_bucket_view": True}))
 
@@ -26,6 +29,7 @@ def timed(trainer, steps: int) -> list[float]:
     gc.collect()
     gc.disable()
     try:
+        get_transport().barrier()
         return [trainer.step() for _ in range(steps)]
     finally:
         gc.enable()

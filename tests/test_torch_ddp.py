@@ -177,3 +177,17 @@ def test_under_torchrun_with_c10d(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
         plain = next(row for row in rows if row["scenario"] == "plain/c10d")
         assert plain["bitwise"], plain
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_collectives_per_step(results, transport):
+    """On c10d without a comm hook the used counts ride on the last bucket's all-reduce (one Gloo
+    round trip fewer per step); with a hook, on MPI, or alone, they have a collective of their own."""
+    n, rows = each_rank(results, f"collectives_per_step/{transport}")
+    for row in rows:
+        if n == 1:
+            assert row["plain"] == row["hooked"] == row["buckets"], row
+        elif transport == "c10d":
+            assert (row["plain"], row["hooked"]) == (row["buckets"], row["buckets"] + 1), row
+        else:
+            assert row["plain"] == row["hooked"] == row["buckets"] + 1, row

@@ -367,6 +367,18 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._plan = plan
         # (transport="mpi" on one host: inside the shared-memory window, reduced where they lie)
         self._bucket_buffers = [self._comm.zeros(b.numel, getattr(torch, b.dtype), self.device) for b in plan.buckets]
+        # On c10d the last bucket also carries the iteration's used counts (see _finalize): its
+        # buffer is the head of one with a tail for them, all-reduced together when no comm hook
+        # is registered -- one Gloo collective fewer per step, whose round trip native DDP
+        # does not pay either. (Counts and step slots are small integers: exact in float32.)
+        self._tail = None
+        if self.transport == "c10d" and self.world_size > 1 and plan.buckets and (
+                plan.buckets[-1].dtype in ("float32", "float64")):
+            last = plan.buckets[-1]
+            self._last_full = self._comm.zeros(last.numel + 2 * len(self._params) + self.world_size,
+                                               getattr(torch, last.dtype), self.device)
+            self._bucket_buffers[-1] = self._last_full[:last.numel]
+            self._tail = self._last_full[last.numel:]
         self._bucket_of = [0] * len(self._params)
         self._views: list[torch.Tensor] = [None] * len(self._params)  # type: ignore[list-item]
         for b, bucket in enumerate(plan.buckets):
@@ -529,6 +541,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._pending = list(self._bucket_sizes)  # params still to arrive, per bucket
         self._next_launch = 0  # buckets launch strictly in plan order
         self._futures: list = [None] * n_buckets
+        self._flags: bytes | None = None  # this rank's used (and non-finite) flags, once known
         self._seen = bytearray(len(self._params))
         self._nonfinite = bytearray(len(self._params))
         self._ready_order: list[int] = []
@@ -654,7 +667,17 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _launch(self, b: int) -> None:
         ev = self._events.buckets[b]
         ev.launch_ns = _now()
-        self._futures[b] = self._reduce_bucket(b, self._bucket_buffers[b], ev)
+        buffer = self._bucket_buffers[b]
+        if b == len(self._bucket_buffers) - 1 and self._carries_used():
+            # (every gradient is in, or counted missing, by the time the last bucket goes out)
+            _fill_tail(self._tail, self._local_flags(), len(self._params), self.rank, step_slot(self._step_count))
+            buffer = self._last_full
+        self._futures[b] = self._reduce_bucket(b, buffer, ev)
+
+    def _carries_used(self) -> bool:
+        """Whether the last bucket's all-reduce carries the used counts (c10d, no comm hook)."""
+        return self._tail is not None and self._hook is None
+
 
     def _reduce_bucket(self, b: int, buffer: torch.Tensor, event=None) -> torch.futures.Future:
         """Launch bucket b's reduction (the comm hook's, or a plain all-reduce); `event.done_ns` is
@@ -696,11 +719,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             for i in sorted(last, key=last.get):
                 self._ready(i, self._params[i], now)
         missing = [i for i, seen in enumerate(self._seen) if not seen]
-        # Used by this rank since the last synchronised backward (native's local used map).
-        used = bytes(self._seen)
-        if self.find_unused_parameters and any(self._used_unsynced):
-            used = bytes(max(a, b) for a, b in zip(self._seen, self._used_unsynced))
-            self._used_unsynced = bytearray(len(self._params))
+        flags = self._local_flags()
         for i in missing:
             # No gradient in this backward; other ranks may have one, and every rank must still issue
             # the same collectives. Reduce what .grad holds (with find_unused_parameters, as native
@@ -724,8 +743,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # each gradient. It is what lets every rank -- not only the one missing
         # a gradient -- fail together instead of hanging.
         # With check_finite the same collective also counts, per parameter, the ranks whose
-        # gradient held a NaN or Inf (a second half of the vector).
-        flags = used + (bytes(self._nonfinite) if self.check_finite else b"")
+        # gradient held a NaN or Inf (a second half of the vector). On c10d the last bucket
+        # carries them instead (_launch).
+        carried = self._carries_used()
         used_fut = self._exchange_used(flags) if early else None
         # As native's reducer does, a bucket's mean goes back to .grad as soon as it is reduced,
         # while the later buckets are still on the wire -- for the parameters this rank has a
@@ -741,10 +761,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                     self._write_grads([i for i in self._plan.buckets[b].params if self._seen[i]])
             if not early:
                 delayed = self._launch_delayed()
-                used_fut = self._exchange_used(flags)
+                used_fut = None if carried else self._exchange_used(flags)
             if delayed is not None:
                 self._write_delayed(delayed)
-            totals = used_fut.wait().tolist()
+            totals = [int(x) for x in self._tail.tolist()] if carried else used_fut.wait().tolist()
         n = len(self._params)
         counts, nonfinite, steps = totals[:n], totals[n:-self.world_size], totals[-self.world_size:]
         if self.find_unused_parameters:  # (what a join() shadow contributes later)
@@ -764,6 +784,18 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if any(nonfinite):
             self._raise_nonfinite()
         self._write_grads([i for i, c in enumerate(counts) if c and not (early_write and self._seen[i])])
+
+    def _local_flags(self) -> bytes:
+        """This iteration's flags, computed once: the parameters used by this rank since the
+        last synchronised backward (native's local used map), then, with check_finite, those
+        whose gradient held a NaN or Inf."""
+        if self._flags is None:
+            used = bytes(self._seen)
+            if self.find_unused_parameters and any(self._used_unsynced):
+                used = bytes(max(a, b) for a, b in zip(self._seen, self._used_unsynced))
+                self._used_unsynced = bytearray(len(self._params))
+            self._flags = used + (bytes(self._nonfinite) if self.check_finite else b"")
+        return self._flags
 
     def _exchange_used(self, flags: bytes, shadow: bool = False):
         """How many ranks produced each gradient (and found it non-finite), and each rank's step
@@ -825,6 +857,15 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if not self._hooks_agreed:
             self._agree_on_hook()
         zeros = [torch.zeros_like(buf) for buf in self._bucket_buffers]
+        # With find_unused_parameters, native's joined rank contributes the used map of its last
+        # reduction (kept up to date by every shadow one): what was used then counts as used now,
+        # so the others write zeros (their mean) into those .grad rather than leaving them alone.
+        used = self._used_last if self.find_unused_parameters else bytes(len(self._params))
+        carried = self._carries_used()
+        if carried:  # the training ranks' last bucket carries the used counts: so does ours
+            zeros[-1] = torch.zeros_like(self._last_full)
+            tail = zeros[-1][self._bucket_buffers[-1].numel():]
+            _fill_tail(tail, used, len(self._params), self.rank, SHADOW)
         futures = [self._reduce_bucket(b, z) for b, z in enumerate(zeros)]
         if self._hook is not None:  # the order of _finalize
             futures = [fut.wait() for fut in futures] and []
@@ -833,16 +874,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             futures.append(self._comm.allreduce(torch.zeros(sum(p.numel() for _, p in self._delayed),
                                                             dtype=self._delayed[0][1].dtype)))
         self._iterations += 1
-        # With find_unused_parameters, native's joined rank contributes the used map of its last
-        # reduction (kept up to date by every shadow one): what was used then counts as used now,
-        # so the others write zeros (their mean) into those .grad rather than leaving them alone.
-        used = self._used_last if self.find_unused_parameters else bytes(len(self._params))
-        used_fut = self._exchange_used(used + (bytes(len(self._params)) if self.check_finite else b""),
-                                       shadow=True)
+        used_fut = None if carried else self._exchange_used(
+            used + (bytes(len(self._params)) if self.check_finite else b""), shadow=True)
         with watchdog.waiting():
             for fut in futures:
                 fut.wait()
-            totals = used_fut.wait().tolist()
+            totals = [int(x) for x in tail.tolist()] if carried else used_fut.wait().tolist()
         if self.find_unused_parameters:
             self._used_last = bytes(1 if c else 0 for c in totals[:len(self._params)])
 
@@ -879,6 +916,15 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra
+
+
+def _fill_tail(tail: torch.Tensor, flags: bytes, n: int, rank: int, slot: int) -> None:
+    """The used counts carried by the last bucket (c10d): [used flags][non-finite flags][step
+    slots], n + n + world size values, as _exchange_used lays them out; the step slot modulo
+    2**23, exact in float32."""
+    tail.zero_()
+    tail[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8) if flags else 0
+    tail[2 * n + rank] = slot if slot == SHADOW else (slot - 1) % (1 << 23) + 1
 
 
 def _tensor_of(value) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import portddp
+from portddp import watchdog
 from portddp.launch import detect
 from tests.workers import common
 from portddp.data import global_batch, regression_batch
@@ -225,6 +226,23 @@ def auto_cap(transport, rank):
            plan_cap_mb=ours.bucket_plan.buckets[-1].cap_bytes / 2**20)
 
 
+def collectives_per_step(transport, rank):
+    """How many collectives one synchronised step issues (the stall inspector's count): on c10d
+    without a comm hook the last bucket carries the used counts, so one per bucket; with a hook,
+    or on MPI, one more."""
+    counts = {}
+    for hooked in (False, True):
+        model = make()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB, transport=transport)
+        if hooked:
+            ddp.register_comm_hook(None, allreduce_hook)
+        train(ddp, model, rank, steps=2)  # (the plan is rebuilt after the first)
+        before = watchdog._PROGRESS.seq
+        train(ddp, model, rank, steps=1)
+        counts["hooked" if hooked else "plain"] = watchdog._PROGRESS.seq - before
+    report(f"collectives_per_step/{transport}", buckets=len(ddp.bucket_plan.buckets), **counts)
+
+
 def main():
     w = portddp.init()
     transports = sys.argv[1:] or ["c10d", "mpi"]
@@ -241,6 +259,7 @@ def main():
         overlap_events(transport, w.rank)
         auto_cap(transport, w.rank)
         frozen_and_noncontiguous(transport, w.rank)
+        collectives_per_step(transport, w.rank)
 
 
 if __name__ == "__main__":
