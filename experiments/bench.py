@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 from harness import runner
 from harness.runner import GPT_BATCH, MODELS, VIEW_OF, bench_model_fields
@@ -98,9 +99,22 @@ def variants(cfg: Config, world):
                                  warmup=_auto_warmup())
 
 
-def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
+def per_round(times: list[float], ref: list[float], k: int) -> list[float]:
+    """The ratio of the two variants' medians in each round (k timed steps of each per round,
+    in order): how far one run's ratio of medians moves from round to round."""
+    n = min(len(times), len(ref)) // k * k
+    return [statistics.median(times[i:i + k]) / statistics.median(ref[i:i + k]) for i in range(0, n, k)]
+
+
+SPREAD = {"torch_c10d_vs_native": ("torch-c10d", "native"), "torch_best_vs_limit": (None, "torch-local"),
+          "jax_hooked_vs_limit": ("jax-hooked", "jax-local")}
+"""The headline ratios whose per-round range each model's line shows (None: the best torch row)."""
+
+
+def summarise(rows: list[dict], steps_per_round: int = 3) -> tuple[dict, list[tuple[str, dict]]]:
     """Per model: each row's ratios to native DDP and to its framework's limit (written into
-    the rows); the headline (worst over models); and the sweep's auto-vs-best-fixed ratios."""
+    the rows); the headline (worst over models); the range over the rounds of the headline's
+    ratios (`<key>_rounds`: [lowest, highest]); and the sweep's auto-vs-best-fixed ratios."""
     headline: dict[str, float] = {}
     tables = []
     for model in dict.fromkeys(r["params"]["model"] for r in rows if "model" in r["params"]):
@@ -132,6 +146,12 @@ def summarise(rows: list[dict]) -> tuple[dict, list[tuple[str, dict]]]:
             mine["cpu_torch_best_vs_limit"] = by[best]["cpu_vs_limit"]
         if "jax-hooked" in by:
             mine["cpu_jax_hooked_vs_limit"] = by["jax-hooked"]["cpu_vs_limit"]
+        for key, (label, ref) in SPREAD.items():
+            label = label or best
+            if label in by and ref in by:
+                ratios = per_round(by[label]["times_s"], by[ref]["times_s"], steps_per_round)
+                if ratios:
+                    mine[f"{key}_rounds"] = [min(ratios), max(ratios)]
         tables.append((model, mine))
         for k in HEADLINE:  # the worst model decides: "overlap" is better high, the rest low
             if k in mine:
@@ -191,7 +211,8 @@ def print_tables(payload: dict, headline: dict, tables) -> None:
                           str(cap if cap is not None else "-"))
         console.print(table)
     for model, mine in tables:
-        print(f"{model}: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+        print(f"{model}: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else
+                                      f"{k}={v[0]:.3f}-{v[1]:.3f}" if isinstance(v, list) else f"{k}={v}"
                                       for k, v in mine.items()))
     print(" ".join(f"{k}={v:.3f}" for k, v in headline.items()), flush=True)
 
@@ -199,7 +220,7 @@ def print_tables(payload: dict, headline: dict, tables) -> None:
 def main(argv=None):
     cfg = parse_config(Config, argv, __doc__.split("\n\n")[0])
     payload = runner.run("bench", cfg, variants)
-    headline, tables = summarise(payload["rows"])
+    headline, tables = summarise(payload["rows"], cfg.steps_per_round)
     payload["headline"] = headline
     payload["models"] = dict(tables)
     if payload["world"]["rank"] == 0:

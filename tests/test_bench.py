@@ -203,3 +203,27 @@ def test_step_profile_times_the_steps_and_writes_a_profile_per_rank(tmp_path):
     assert [line.split()[:4] for line in lines] == [["rank", str(r), "torch-mpi+view", "mlp:"] for r in (0, 1)]
     if shutil.which("perf") and "profile in" in lines[0]:  # (perf may be refused, e.g. perf_event_paranoid)
         assert (tmp_path / "perf-torch-mpi+view-mlp-0.data").stat().st_size > 0
+
+
+def test_each_model_line_gives_the_ratios_range_over_the_rounds(bench):
+    """The per-round ratios of medians: their range says how much one run's ratio can move."""
+    from experiments.bench import per_round, summarise  # noqa: PLC0415
+
+    assert per_round([1, 2, 3, 2, 2, 2, 9], [1, 1, 1, 2, 2, 2, 1], 3) == [2.0, 1.0]  # (a last partial round: left out)
+
+    def row(label, times):
+        return {"label": label, "group": "mlp", "params": {"model": "mlp"}, "median_s": sorted(times)[len(times) // 2],
+                "times_s": times, "metrics": {"overlap_ratio": 0.5}}
+
+    rows = [row("native", [0.10] * 6), row("torch-c10d", [0.10, 0.11, 0.10, 0.12, 0.13, 0.12]),
+            row("torch-local", [0.05] * 6), row("torch-mpi", [0.06] * 3 + [0.07] * 3)]
+    _, tables = summarise(rows, steps_per_round=3)
+    mine = dict(tables)["mlp"]
+    assert mine["torch_c10d_vs_native_rounds"] == pytest.approx([1.0, 1.2])
+    assert mine["torch_best_vs_limit_rounds"] == pytest.approx([1.2, 1.4])
+    assert "jax_hooked_vs_limit_rounds" not in mine  # no JAX rows
+    stdout, payload = bench  # and the real run prints and stores them
+    line = next(x for x in stdout.splitlines() if x.startswith("mlp: "))
+    assert "torch_c10d_vs_native_rounds=" in line and "jax_hooked_vs_limit_rounds=" in line, line
+    lo, hi = payload["models"]["mlp"]["torch_c10d_vs_native_rounds"]
+    assert 0 < lo <= hi, (lo, hi)
