@@ -28,7 +28,6 @@ from harness.adapter import make_trainer
 from harness.runner import MODELS, VIEW_OF, bench_workload
 
 
-
 def main(impl: str = "jax-hooked", model: str = "mlp") -> None:
     if model not in MODELS:
         raise SystemExit(f"unknown model {model!r}: choose from {tuple(MODELS)}")

@@ -107,9 +107,8 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 gc.collect()  # as timeit does: no collector pause inside a timed step
                 gc.disable()
                 try:
-                    # Every turn starts together: else a communicating variant's first step would
-                    # include its peers' lateness (their collection, a local variant's drift).
-                    get_transport().barrier()
+                    # (every turn starts together: else a communicating variant's first step would
+                    # include its peers' lateness -- their collection, a local variant's drift)
                     before = _settled_interface_bytes()
                     cpu[label].start()
                     for _ in range(cfg.steps_per_round):
@@ -205,17 +204,16 @@ def _gather_cpu(meter: CpuMeter) -> dict:
 
 
 def _settled_interface_bytes() -> dict | None:
-    """This host's interface counters once every rank got here; None outside the emulated cluster.
+    """Once every rank got here (a barrier), this host's interface counters; None outside the
+    emulated cluster.
 
     A rank's step can end while the tail of what it sent last is still queued in its socket or in
     the link's tbf queue (its peer needed those bytes, not this rank); the interface counts them
     only when they leave. The barrier's message from a peer arrives only after that peer received
     everything of this round, so after it the counters hold all of a round's bytes and none of the
     next's (plus the barrier's few bytes)."""
-    if cluster.cluster_info() is None:
-        return None
     get_transport().barrier()
-    return cluster.interface_bytes()
+    return None if cluster.cluster_info() is None else cluster.interface_bytes()
 
 
 def _hosts_mean(samples: list[float], world) -> float | None:

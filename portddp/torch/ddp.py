@@ -670,14 +670,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         buffer = self._bucket_buffers[b]
         if b == len(self._bucket_buffers) - 1 and self._carries_used():
             # (every gradient is in, or counted missing, by the time the last bucket goes out)
-            _fill_tail(self._tail, self._local_flags(), len(self._params), self.rank, step_slot(self._step_count))
+            _put_counts(self._tail, self._local_flags(), 2 * len(self._params), self.rank,
+                        step_slot(self._step_count))
             buffer = self._last_full
         self._futures[b] = self._reduce_bucket(b, buffer, ev)
 
     def _carries_used(self) -> bool:
         """Whether the last bucket's all-reduce carries the used counts (c10d, no comm hook)."""
         return self._tail is not None and self._hook is None
-
 
     def _reduce_bucket(self, b: int, buffer: torch.Tensor, event=None) -> torch.futures.Future:
         """Launch bucket b's reduction (the comm hook's, or a plain all-reduce); `event.done_ns` is
@@ -764,7 +764,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 used_fut = None if carried else self._exchange_used(flags)
             if delayed is not None:
                 self._write_delayed(delayed)
-            totals = [int(x) for x in self._tail.tolist()] if carried else used_fut.wait().tolist()
+            totals = self._tail.long().tolist() if carried else used_fut.wait().tolist()
         n = len(self._params)
         counts, nonfinite, steps = totals[:n], totals[n:-self.world_size], totals[-self.world_size:]
         if self.find_unused_parameters:  # (what a join() shadow contributes later)
@@ -801,9 +801,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """How many ranks produced each gradient (and found it non-finite), and each rank's step
         slot in its own place (protocol.step_slot; a join() shadow's SHADOW is not compared): one
         small all-reduce that lets every rank fail together."""
-        used = torch.zeros(len(flags) + self.world_size, dtype=torch.int32)
-        used[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
-        used[len(flags) + self.rank] = SHADOW if shadow else step_slot(self._step_count)
+        used = torch.empty(len(flags) + self.world_size, dtype=torch.int32)
+        _put_counts(used, flags, len(flags), self.rank, SHADOW if shadow else step_slot(self._step_count))
         if self.world_size == 1:
             return _done(used)
         self._issue("used-count")
@@ -865,7 +864,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if carried:  # the training ranks' last bucket carries the used counts: so does ours
             zeros[-1] = torch.zeros_like(self._last_full)
             tail = zeros[-1][self._bucket_buffers[-1].numel():]
-            _fill_tail(tail, used, len(self._params), self.rank, SHADOW)
+            _put_counts(tail, used, 2 * len(self._params), self.rank, SHADOW)
         futures = [self._reduce_bucket(b, z) for b, z in enumerate(zeros)]
         if self._hook is not None:  # the order of _finalize
             futures = [fut.wait() for fut in futures] and []
@@ -879,7 +878,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         with watchdog.waiting():
             for fut in futures:
                 fut.wait()
-            totals = [int(x) for x in tail.tolist()] if carried else used_fut.wait().tolist()
+            totals = tail.long().tolist() if carried else used_fut.wait().tolist()
         if self.find_unused_parameters:
             self._used_last = bytes(1 if c else 0 for c in totals[:len(self._params)])
 
@@ -918,13 +917,16 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         return self._last_events.stats() | extra
 
 
-def _fill_tail(tail: torch.Tensor, flags: bytes, n: int, rank: int, slot: int) -> None:
-    """The used counts carried by the last bucket (c10d): [used flags][non-finite flags][step
-    slots], n + n + world size values, as _exchange_used lays them out; the step slot modulo
-    2**23, exact in float32."""
-    tail.zero_()
-    tail[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8) if flags else 0
-    tail[2 * n + rank] = slot if slot == SHADOW else (slot - 1) % (1 << 23) + 1
+def _put_counts(out: torch.Tensor, flags: bytes, slots_at: int, rank: int, slot: int) -> None:
+    """This rank's part of the used counts: `out` = [flags][zeros up to slots_at][one step slot
+    per rank], this rank's slot in its own place. The same layout travels alone (_exchange_used,
+    int32) or as the tail of c10d's last bucket (floats: the slot modulo 2**23, exact in float32)."""
+    out.zero_()
+    if flags:
+        out[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
+    if out.is_floating_point() and slot != SHADOW:
+        slot = (slot - 1) % (1 << 23) + 1
+    out[slots_at + rank] = slot
 
 
 def _tensor_of(value) -> torch.Tensor:
