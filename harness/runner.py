@@ -7,7 +7,7 @@ measures them the same way: build and warm up each variant, then rounds in
 which every variant of a group runs a few steps in turn (each round starting
 with another one), so the machine's noise hits them alike. Groups run one
 after another (one group's models in memory at a time). Per variant: the
-median step time, DESIGN.md's metrics, CPU seconds per step by thread group
+median step time (each step's on its slowest rank), DESIGN.md's metrics, CPU seconds per step by thread group
 (harness.measure), peak memory, gradient memory, the bucket plan, the last
 iteration's events, and on the emulated cluster the bytes on the wire.
 """
@@ -61,6 +61,7 @@ class Variant:
     params: dict  # what the report groups and plots by, e.g. {"bucket_cap_mb": 4.0}
     model: dict = dataclasses.field(default_factory=dict)  # Workload fields to change, e.g. {"model": "gpt"}
     warmup: int | None = None  # untimed steps, if not the config's (e.g. bucket_cap_mb="auto" tunes during them)
+    rounds: int | None = None  # interleaved rounds of its group, if not the config's (a group takes its members' most)
 
 
 def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentConfig, object], Sequence[Variant]]
@@ -101,7 +102,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
             for _label, t in order:
                 for _ in range(cfg.steps_per_round):
                     t.step()
-        for r in range(cfg.rounds):
+        for r in range(max(v.rounds or cfg.rounds for v in members)):
             # Each round starts with another variant, so that none always runs right after the same one.
             for label, t in order[r % len(order):] + order[:r % len(order)]:
                 gc.collect()  # as timeit does: no collector pause inside a timed step
@@ -120,13 +121,18 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                     gc.enable()
                 if before is not None:
                     wire[label].append((after["tx_bytes"] - before["tx_bytes"]) / cfg.steps_per_round)
+        # A step of a synchronous job takes as long as its slowest rank's: so does each step's time
+        # here, for every variant alike (a local variant's rank that is slower by itself is the
+        # bound a communicating one meets; rank 0's time alone would hide it from the limit).
+        slowest = {label: _slowest_per_step(ts) for label, ts in times.items()}
         for v in members:
             t = trainers[v.label]
             events = t.events()
             rows.append({
                 "label": v.label, "impl": v.impl, "group": group, "params": v.params, "knobs": v.knobs,
                 "model": _workload(cfg, v).model, "peak_mb": peak_mb[v.label], "grad_mb": t.grad_mb(),
-                "median_s": median(times[v.label]), "times_s": times[v.label], "loss": t.loss,
+                "median_s": median(slowest[v.label]), "times_s": slowest[v.label],
+                "rank0_median_s": median(times[v.label]), "loss": t.loss,
                 "metrics": _median_metrics(stats[v.label]),
                 "cpu": _gather_cpu(cpu[v.label]),
                 "hlo": stats[v.label][-1].get("hlo") if stats[v.label] else None,
@@ -137,7 +143,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
             })
         traces += _gather_events(members, trainers)
         say(f"  [{g}/{len(groups)}] {group}: " + "  ".join(
-            f"{v.label} {median(times[v.label]) * 1e3:.1f} ms" for v in members), flush=True)
+            f"{v.label} {median(slowest[v.label]) * 1e3:.1f} ms" for v in members), flush=True)
         del trainers
     where = cluster.cluster_info()
     if where is None:
@@ -201,6 +207,12 @@ def _gather_cpu(meter: CpuMeter) -> dict:
     everyone = get_transport().allgather_object(meter.per_step())
     mean = {k: statistics.fmean(r[k] for r in everyone) for k in ("total", *GROUPS, "wall")}
     return {**mean, "per_rank": everyone}
+
+
+def _slowest_per_step(mine: list[float]) -> list[float]:
+    """Each step's time on the slowest rank (every rank's k-th timed step started after the same
+    barrier and as many steps)."""
+    return [max(step) for step in zip(*get_transport().allgather_object(mine))]
 
 
 def _settled_interface_bytes() -> dict | None:

@@ -18,7 +18,7 @@ HEADLINE = ("torch_c10d_vs_native", "torch_best_vs_native", "torch_best_vs_limit
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = mpi.run(2, "experiments.bench", "--models", "mlp", "--width", "128", "--depth", "3", "--batch", "8",
-                   "--warmup", "2", "--rounds", "1", "--steps-per-round", "2", "--sweep-impls", "torch-mpi",
+                   "--warmup", "2", "--rounds", "1", "--mlp-rounds", "0", "--steps-per-round", "2", "--sweep-impls", "torch-mpi",
                    "--out-dir", str(out), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads((out / "bench-n2.json").read_text())
@@ -40,6 +40,20 @@ def test_every_implementation_is_measured_side_by_side(bench):
                       "jax-hooked", "jax-compiled"}
     for r in payload["rows"]:
         assert len(r["times_s"]) == 2 and r["median_s"] > 0, r["label"]
+
+
+def test_a_step_takes_its_slowest_ranks_time(bench):
+    """Each step's time is the slowest rank's (limits included), so a median is never below rank
+    0's; the model's line also gives the ratios to the limits as rank 0 alone measured them."""
+    stdout, payload = bench
+    for r in payload["rows"]:
+        assert r["median_s"] >= r["rank0_median_s"] > 0, r["label"]
+    mine = payload["models"]["mlp"]
+    for key in ("torch_best_vs_limit", "jax_hooked_vs_limit"):
+        rows = {r["label"]: r for r in payload["rows"] if r["group"] == "mlp"}
+        label, ref = (mine["torch_best"], "torch-local") if key.startswith("torch") else ("jax-hooked", "jax-local")
+        assert mine[f"{key}_rank0"] == pytest.approx(rows[label]["rank0_median_s"] / rows[ref]["rank0_median_s"])
+        assert mine[key] == pytest.approx(rows[label]["median_s"] / rows[ref]["median_s"])
 
 
 def test_gradient_as_bucket_view_holds_one_copy_of_the_gradients_not_two(bench):
