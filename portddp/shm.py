@@ -61,6 +61,21 @@ _HEADER = 4096  # per-rank header: counter (int32, the futex word) + descriptor
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8", "int16", "uint16",
            "uint32", "uint64", "complex64", "complex128")
 
+_CODES: dict = {}
+
+
+def _code(dtype: np.dtype) -> int:
+    """The index of `dtype` in _DTYPES, -1 if absent (cached: numpy computes `dtype.name` in Python)."""
+    code = _CODES.get(dtype)
+    if code is None:
+        code = _CODES[dtype] = _DTYPES.index(dtype.name) if dtype.name in _DTYPES else -1
+    return code
+
+
+def _is_half(dtype: np.dtype) -> bool:
+    return _code(dtype) in (2, 3)  # float16, bfloat16
+
+
 # -- waiting without spinning ---------------------------------------------------------------------
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
 
@@ -232,7 +247,7 @@ class ShmAllreduce:
         if not buf.flags.c_contiguous:
             raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
         flat = buf.reshape(-1)
-        if flat.dtype.name not in _DTYPES:
+        if _code(flat.dtype) < 0:
             raise TypeError(f"no shared-memory sum for dtype {flat.dtype}")
         key = (flat.ctypes.data, flat.nbytes)
         self._pending.pop(key, None)  # a gather that never ran (its iteration failed): this sum replaces it
@@ -275,7 +290,7 @@ class ShmAllreduce:
         if scratch:  # copy into my scratch
             offset = _HEADER
             self._view(me, offset, dtype, count)[...] = part
-        code = _DTYPES.index(dtype.name)
+        code = _code(dtype)
         self._desc[me][:5] = (offset, part.nbytes, code, count, int(defer))
         self._signal()
         self._wait_peers()
@@ -310,7 +325,7 @@ class ShmAllreduce:
 
     def _cross_allreduce(self, mine: np.ndarray) -> None:
         MPI = self._MPI
-        if mine.dtype.name in ("float16", "bfloat16"):
+        if _is_half(mine.dtype):
             spec, op = [mine.view(np.uint16), MPI.UINT16_T], self._half_op(mine.dtype)
         else:
             spec, op = mine, MPI.SUM
@@ -390,7 +405,7 @@ def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int) -> N
     """Every array of `dests` = ((parts[0] + parts[1]) + parts[2]) + ..., a cache-sized chunk at a
     time. dests[0] is parts[me]'s memory: the sum is made there (read before it is written) and
     copied from cache into the others."""
-    add = _half_add if parts[0].dtype.name in ("float16", "bfloat16") else np.add
+    add = _half_add if _is_half(parts[0].dtype) else np.add
     if len(parts) == 2 and me == 1:  # a sum of two is commutative (bitwise): start from my own part
         parts = parts[::-1]
     first = me == 0 or len(parts) == 2  # dests[0] is parts[0]: accumulate in place

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from portddp.shm import scatter_into
+from portddp.shm import _is_half, scatter_into  # (_is_half: cached per dtype)
 
 __all__ = ["Handle", "MPITransport", "get_transport"]
 
@@ -53,18 +53,24 @@ def _half_sum_op(np_dtype):
     return _half_ops[key]
 
 
-def _is_half(dtype: np.dtype) -> bool:
-    return dtype.name in ("float16", "bfloat16")
+def _check_contiguous(buf: np.ndarray) -> None:
+    if not buf.flags.c_contiguous:
+        raise ValueError("MPI transport buffers must be C-contiguous (a view of a flat bucket)")
 
 
 class Handle:
     """A launched collective, the JAX side's `torch.futures.Future`: `wait()` blocks until it is
     done and re-raises its error; `then(fn)` chains work on the result, as a future's does."""
 
-    __slots__ = ("_event", "_error", "launch_ns", "start_ns", "done_ns", "result", "_on_done", "_lock", "_next")
+    __slots__ = ("_done", "_latch", "_error", "launch_ns", "start_ns", "done_ns", "result", "_on_done", "_lock",
+                 "_next")
 
     def __init__(self, on_done: Callable[["Handle"], None] | None = None):
-        self._event = threading.Event()
+        # Done: a flag, and a lock held until then that waiters pass through (lighter to make
+        # than a threading.Event, which is Python code: a handle is made at every launch).
+        self._done = False
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self._error: BaseException | None = None
         self._on_done = on_done
         self._lock = threading.Lock()
@@ -83,11 +89,13 @@ class Handle:
         return handle
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None):
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"MPI collective not finished after {timeout} s")
+        if not self._done:
+            if not self._latch.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+                raise TimeoutError(f"MPI collective not finished after {timeout} s")
+            self._latch.release()  # (for any other waiter)
         if self._error is not None:
             raise self._error
         return self.result
@@ -110,7 +118,7 @@ class Handle:
             child._finish()
 
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._next.append(run)
                 return child
         run()
@@ -125,8 +133,9 @@ class Handle:
             except BaseException as e:
                 self._error = self._error or e
         with self._lock:
-            self._event.set()
+            self._done = True
             chained, self._next = self._next, []
+        self._latch.release()
         for run in chained:
             run()
 
@@ -206,8 +215,7 @@ class MPITransport:
 
     # -- collectives ------------------------------------------------------------
     def _typed(self, buf: np.ndarray):
-        if not buf.flags.c_contiguous:
-            raise ValueError("MPI transport buffers must be C-contiguous (a view of a flat bucket)")
+        _check_contiguous(buf)
         if _is_half(buf.dtype):
             return [buf.view(np.uint16), self._MPI.UINT16_T], _half_sum_op(buf.dtype)
         return buf, self._MPI.SUM
@@ -243,14 +251,15 @@ class MPITransport:
         other slices go from their owners' memory straight into `dests` -- one copy fewer. The
         caller issues no further collective that would let a peer reuse its buffer before that
         (portddp/shm.py)."""
+        shm = self._shm
+        if shm is not None:  # (the shared-memory sum needs no MPI datatype)
+            _check_contiguous(buf)
+            return self._submit(lambda: shm.allreduce(buf, defer_gather=defer_gather), on_done)
         spec, op = self._typed(buf)
         MPI = self._MPI
-        shm = self._shm
 
         def job():
-            if shm is not None:
-                shm.allreduce(buf, defer_gather=defer_gather)
-            elif self._spin:
+            if self._spin:
                 self.comm.Allreduce(MPI.IN_PLACE, spec, op=op)
             else:
                 self._wait(self.comm.Iallreduce(MPI.IN_PLACE, spec, op=op))

@@ -34,6 +34,20 @@ def test_then_runs_when_done_and_errors_propagate():
         Handle().wait(timeout=0.01)
 
 
+def test_every_waiter_is_released_and_waits_again_freely():
+    h = Handle()
+    got = []
+    waiters = [threading.Thread(target=lambda: got.append(h.wait(timeout=5))) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    h.result = "sum"
+    h._finish()
+    for w in waiters:
+        w.join(timeout=5)
+    assert got == ["sum"] * 3 and h.done()
+    assert h.wait() == "sum" and h.wait(timeout=0) == "sum"  # (done: no lock taken)
+
+
 @pytest.mark.parametrize("impl", ["shm", "mpi"])
 def test_waiting_for_a_late_peer_does_not_spin(impl):
     """Rank 1 arrives 1 s late: rank 0's CPU over the wait stays under 10 % of it (a blocking MPICH

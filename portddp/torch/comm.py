@@ -97,7 +97,12 @@ class C10dComm(_Comm):
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy array sharing `t`'s memory (bfloat16 via ml_dtypes)."""
+    """A numpy array sharing `t`'s memory (bfloat16 via ml_dtypes). A bucket buffer carries its
+    own, made once (MPIComm.empty): making one costs tens of microseconds with the caches a
+    layer's backward leaves, at every launch."""
+    own = t.__dict__.get("_portddp_numpy")
+    if own is not None:
+        return own
     t = t.detach()
     if t.device.type != "cpu":
         raise ValueError(f"transport='mpi' works on CPU tensors; got one on {t.device}: use transport='c10d'")
@@ -124,10 +129,11 @@ class MPIComm(_Comm):
         contiguous slice of it) reads and writes it in place, with no copies; else torch.empty."""
         shape = (size,) if isinstance(size, int) else tuple(size)
         if dtype == torch.bfloat16:
-            arr = self.transport.empty(shape, np.int16)
-            return torch.from_numpy(arr).view(torch.bfloat16)
-        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-        return torch.from_numpy(self.transport.empty(shape, np_dtype))
+            tensor = torch.from_numpy(self.transport.empty(shape, np.int16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(self.transport.empty(shape, torch.empty(0, dtype=dtype).numpy().dtype))
+        tensor._portddp_numpy = _numpy_view(tensor)  # (see _numpy_view)
+        return tensor
 
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed bucket buffer, in the shared-memory window when there is one (see `empty`)."""
