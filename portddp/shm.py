@@ -148,7 +148,8 @@ class ShmAllreduce:
         self._fd, self._segs = _map_segments(self.node, seg, _HEADER + self.scratch_bytes)
         self._seg_addr = self._segs[self.local_rank].ctypes.data
         self._counters = [s[:4].view(np.int32) for s in self._segs]
-        self._desc = [s[8:64].view(np.int64) for s in self._segs]  # offset, nbytes, dtype code, count
+        # offset, elements in all, dtype code, elements offered, defer, first element of the round
+        self._desc = [s[8:64].view(np.int64) for s in self._segs]
         self._counter_addr = [s.ctypes.data for s in self._segs]
         self._seq = 0
         self.node.Barrier()
@@ -247,19 +248,27 @@ class ShmAllreduce:
         if not buf.flags.c_contiguous:
             raise ValueError("shared-memory all-reduce buffers must be C-contiguous")
         flat = buf.reshape(-1)
-        if _code(flat.dtype) < 0:
+        code = _code(flat.dtype)
+        if code < 0:
             raise TypeError(f"no shared-memory sum for dtype {flat.dtype}")
         key = (flat.ctypes.data, flat.nbytes)
         self._pending.pop(key, None)  # a gather that never ran (its iteration failed): this sum replaces it
-        item = flat.dtype.itemsize
-        chunk = max(self.scratch_bytes // item, 1)
         home = self.offset_of(flat)
         defer = defer_gather and home is not None
-        chunks = []
-        for start in range(0, max(flat.size, 1), chunk):
-            part = flat[start:start + chunk]
-            views, bounds = self._one(part, None if home is None else home + start * item, defer)
+        # Rounds: each rank offers what it can show its peers at once -- all that is left from the
+        # arena, a scratch-full otherwise -- and a round sums the least offer: one round for a
+        # bucket every rank holds in its arena. (Across hosts every round also all-reduces over
+        # MPI, which the other hosts must issue alike: there, always a scratch-full.)
+        chunk = max(self.scratch_bytes // flat.dtype.itemsize, 1)
+        whole = home is not None and self.cross is None
+        chunks, start = [], 0
+        while True:
+            left = flat.size - start
+            done, views, bounds = self._one(flat, start, left if whole else min(left, chunk), home, code, defer)
             chunks.append((start, views, bounds))  # views None: the whole sum is in buf already
+            start += done
+            if start >= flat.size:
+                break
         if defer:
             self._pending[key] = chunks
         return buf
@@ -283,29 +292,33 @@ class ShmAllreduce:
                 if b > a:
                     scatter_into(dests, start + a, views[j][a:b])
 
-    def _one(self, part: np.ndarray, offset: int | None, defer: bool) -> tuple[list | None, list[int]]:
+    def _one(self, flat: np.ndarray, start: int, offer: int, home: int | None, code: int,
+             defer: bool) -> tuple[int, list | None, list[int]]:
+        """One round: sum elements [start, start + n) of every rank's `flat`, n the least of the
+        ranks' offers; returns n, the views of every rank's data (None once this rank's buffer
+        holds the whole sum) and the slices' bounds."""
         me, n = self.local_rank, self.local_size
-        dtype, count = part.dtype, part.size
-        scratch = offset is None
-        if scratch:  # copy into my scratch
+        dtype, item = flat.dtype, flat.dtype.itemsize
+        if home is None:  # a copy in my scratch
             offset = _HEADER
-            self._view(me, offset, dtype, count)[...] = part
-        code = _code(dtype)
-        self._desc[me][:5] = (offset, part.nbytes, code, count, int(defer))
+            self._view(me, offset, dtype, offer)[...] = flat[start:start + offer]
+        else:
+            offset = home + start * item
+        self._desc[me][:6] = (offset, flat.size, code, offer, int(defer), start)
         self._signal()
         self._wait_peers()
-        descs = [[int(x) for x in self._desc[j][:5]] for j in range(n)]
-        views = []
-        for j, (off, nbytes, their_code, cnt, _) in enumerate(descs):
-            if nbytes != part.nbytes or their_code != code or cnt != count:
-                raise RuntimeError(f"local rank {j} all-reduces {cnt} x {_DTYPES[their_code]} while local rank {me} "
-                                   f"all-reduces {count} x {dtype.name}: the ranks issue different collectives")
-            views.append(self._view(j, off, dtype, count))
-        # A rank whose data lies in its scratch overwrites it in its next all-reduce: then every
-        # rank receives the whole sum now, whatever it asked.
+        descs = [self._desc[j][:6].tolist() for j in range(n)]
+        for j, (_, total, their_code, _, _, their_start) in enumerate(descs):
+            if total != flat.size or their_code != code or their_start != start:
+                raise RuntimeError(f"local rank {j} all-reduces {total} x {_DTYPES[their_code]} while local rank {me} "
+                                   f"all-reduces {flat.size} x {dtype.name}: the ranks issue different collectives")
+        count = min(d[3] for d in descs)
+        views = [self._view(j, d[0], dtype, count) for j, d in enumerate(descs)]
+        # A rank whose data lies in its scratch overwrites it in its next round: then every rank
+        # receives the whole sum now, whatever it asked.
         any_scratch = min(d[0] for d in descs) < self._arena_lo
         peers = [j for j in range(n) if j != me and (not descs[j][4] or any_scratch)]  # those that receive the sum
-        bounds = _bounds(count, n, dtype.itemsize)
+        bounds = _bounds(count, n, item)
         lo, hi = bounds[me], bounds[me + 1]
         if hi > lo:
             parts = [v[lo:hi] for v in views]
@@ -318,10 +331,10 @@ class ShmAllreduce:
                     parts[j][...] = parts[me]
         self._signal()
         self._wait_peers()
-        if scratch:
-            part[...] = views[me]
+        if home is None:
+            flat[start:start + count] = views[me]
         whole = not defer or any_scratch  # my buffer holds the whole sum
-        return (None if whole else views), bounds
+        return count, (None if whole else views), bounds
 
     def _cross_allreduce(self, mine: np.ndarray) -> None:
         MPI = self._MPI

@@ -31,7 +31,8 @@ def _check(proc, n: int, impl: str, hosts: int = 1) -> None:
     for name in ("bfloat16-1-zero-copy", "float16-300001-copy", "float64-7-zero-copy", "view-in-window",
                  "chunked-copy", "non-contiguous-refused", "deferred-gather-1", "deferred-gather-300001",
                  "deferred-small-between", "deferred-then-plain", "deferred-peer-scratch",
-                 "deferred-discarded"):
+                 "deferred-discarded", *(("arena-one-round", "mixed-scratch-arena-plain",
+                                          "mixed-scratch-arena-deferred") if impl == "shm" else ())):
         assert name in names, sorted(names)[:50]
 
 

@@ -78,6 +78,24 @@ def main():
         bigw[...] = rank + 1
         t.allreduce(bigw).wait(timeout=120)
         emit(rank, "chunked-zero-copy", bool(np.all(bigw == total)))
+        # rounds: a buffer every rank holds in its arena goes in one (two counter moves), whatever
+        # its size (on one host; across hosts a scratch-full at a time); one rank's in ordinary
+        # memory (rank 0's) makes every rank go a scratch-full at a time, deferred or not, with
+        # the same sums
+        seq = t._shm._seq
+        t.allreduce(bigw).wait(timeout=120)
+        moves = 2 if t._shm.hosts == 1 else 4
+        emit(rank, "arena-one-round", t._shm._seq - seq == moves and bool(np.all(bigw == n * total)),
+             str(t._shm._seq - seq))
+        for defer in (False, True):
+            mixed = np.full(big.size, rank + 1, np.float32) if rank == 0 else t.empty(big.size, np.float32)
+            mixed[...] = rank + 1
+            seq = t._shm._seq
+            t.allreduce(mixed, defer_gather=defer).wait(timeout=120)
+            out = np.empty_like(mixed)
+            t.gather(mixed, [(0, out)])
+            emit(rank, f"mixed-scratch-arena-{'deferred' if defer else 'plain'}",
+                 t._shm._seq - seq == 4 and bool(np.all(out == total)), f"{t._shm._seq - seq} {out[:2]} {out[-2:]}")
     deferred_gathers(t, ref_comm, rank, n, exact)
     # non-contiguous buffers are refused when launched, on every rank
     try:
