@@ -11,16 +11,17 @@ gradient_as_bucket_view), portddp.jax (hooked, compiled). Warm-up, then
 interleaved rounds (noise hits every implementation alike: 5 on gpt, 15 on the
 MLPs, whose steps are short); per-iteration medians (a step's time is its
 slowest rank's: a synchronous step cannot beat that, so neither can a limit,
-which rank 0's alone would understate when the other rank is slower), ratios to native DDP and to the framework's own limit, overlap ratio,
-exposed communication, CPU seconds per iteration per rank (all threads, and
-split: the main thread, the comm threads -- portddp's MPI comm thread, Gloo's
---, XLA's named pools, the rest: a comm thread that spins shows up here, not in
-the time), the memory holding gradients after a step (every distinct .grad
-storage plus portddp's bucket buffers), and the peak resident memory each one
-added while it was built and warmed up (Linux VmHWM; memory an earlier variant
-freed can be reused, so read it as approximate). Then, on the MLP, a fixed-cap
-sweep beside bucket_cap_mb="auto". JSON in results/bench-n<N>.json (the ratios
-and the headline included: the report only reads it); the last line holds the
+which rank 0's alone would understate when the other rank is slower), ratios to
+native DDP and to the framework's own limit, overlap ratio, exposed
+communication, CPU seconds per iteration per rank (all threads, and split: the
+main thread, the comm threads -- portddp's MPI comm thread, Gloo's --, XLA's
+named pools, the rest: a comm thread that spins shows up here, not in the
+time), the memory holding gradients after a step (every distinct .grad storage
+plus portddp's bucket buffers), and the peak resident memory each one added
+while it was built and warmed up (Linux VmHWM; memory an earlier variant freed
+can be reused, so read it as approximate). Then, on the MLP, a fixed-cap sweep
+beside bucket_cap_mb="auto". JSON in results/bench-n<N>.json (the ratios and
+the headline included: the report only reads it); the last line holds the
 headline ratios (each the worst over the models).
 """
 

@@ -5,11 +5,12 @@
 Each experiment (experiments/*.py) only lists its variants; this module
 measures them the same way: build and warm up each variant, then rounds in
 which every variant of a group runs a few steps in turn (each round starting
-with another one), so the machine's noise hits them alike. Groups run one
-after another (one group's models in memory at a time). Per variant: the
-median step time (each step's on its slowest rank), DESIGN.md's metrics, CPU seconds per step by thread group
-(harness.measure), peak memory, gradient memory, the bucket plan, the last
-iteration's events, and on the emulated cluster the bytes on the wire.
+with another one), so the machine's noise hits them alike. Groups run one after
+another (one group's models in memory at a time). Per variant: the median step
+time (each step's on its slowest rank), DESIGN.md's metrics, CPU seconds per
+step by thread group (harness.measure), peak memory, gradient memory, the
+bucket plan, the last iteration's events, and on the emulated cluster the bytes
+on the wire.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ shared-memory segment: one /dev/shm file per rank, mapped by all, unlinked at on
 at MPI_Finalize aborts the job -- "fabricclose failed: Device or resource busy" -- and freeing it is
 collective, so a rank leaving on an error would hang in the free while its peers wait for it.)
 Each rank's segment holds a small header (a sequence counter and a descriptor of the data
-it offers), a scratch area and an arena that `empty()` allocates buffers from. One all-reduce:
+it offers), a scratch area and an arena that `empty()` allocates buffers from. One all-reduce
+goes in rounds -- one for a buffer every rank holds in its arena; a scratch-full at a time when
+some rank's data must be copied into scratch, or across hosts --, each round:
 
 1. every rank publishes where its data is (an offset into its own segment: a buffer from the
    arena is used where it lies -- zero copy --, any other buffer is first copied into scratch)
@@ -72,8 +74,11 @@ def _code(dtype: np.dtype) -> int:
     return code
 
 
+_HALF_CODES = (_DTYPES.index("float16"), _DTYPES.index("bfloat16"))
+
+
 def _is_half(dtype: np.dtype) -> bool:
-    return _code(dtype) in (2, 3)  # float16, bfloat16
+    return _code(dtype) in _HALF_CODES
 
 
 # -- waiting without spinning ---------------------------------------------------------------------

@@ -101,8 +101,8 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
     own, made once (MPIComm.empty): making one costs tens of microseconds with the caches a
     layer's backward leaves, at every launch."""
     own = t.__dict__.get("_portddp_numpy")
-    if own is not None:
-        return own
+    if own is not None and own[0] == t.data_ptr():  # (a copy of the tensor would carry the attribute too)
+        return own[1]
     t = t.detach()
     if t.device.type != "cpu":
         raise ValueError(f"transport='mpi' works on CPU tensors; got one on {t.device}: use transport='c10d'")
@@ -132,7 +132,7 @@ class MPIComm(_Comm):
             tensor = torch.from_numpy(self.transport.empty(shape, np.int16)).view(torch.bfloat16)
         else:
             tensor = torch.from_numpy(self.transport.empty(shape, torch.empty(0, dtype=dtype).numpy().dtype))
-        tensor._portddp_numpy = _numpy_view(tensor)  # (see _numpy_view)
+        tensor._portddp_numpy = tensor.data_ptr(), _numpy_view(tensor)  # (see _numpy_view)
         return tensor
 
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
