@@ -7,7 +7,8 @@ For the benchmark MLP (8 x Linear(1024, 1024), batch 64 per rank), issue 16's
 second MLP (`gelu-mlp`: 6 x Linear(1280, 1280) + GELU, batch 48 per rank) and
 the ~25M parameter `gpt` twin: the step with no communication (torch-local,
 jax-local: the limits), native DDP (Gloo), portddp.torch (c10d; mpi; mpi with
-gradient_as_bucket_view), portddp.jax (hooked, compiled). Warm-up, then
+gradient_as_bucket_view), native DDP again (an A/A check: how far this run can
+tell two equal steps apart), portddp.jax (hooked, compiled). Warm-up, then
 interleaved rounds (noise hits every implementation alike: 5 on gpt, 15 on the
 MLPs, whose steps are short); per-iteration medians (a step's time is its
 slowest rank's: a synchronous step cannot beat that, so neither can a limit,
@@ -50,6 +51,10 @@ class Config(runner.ExperimentConfig):
                                                        "torch-mpi+view: with only)"})
     gpt_batch: int = dataclasses.field(default=GPT_BATCH, metadata={"help": "gpt: sequences per rank per step"})
     sweep: bool = dataclasses.field(default=True, metadata={"help": "the MLP's fixed-cap sweep beside 'auto'"})
+    native_again: bool = dataclasses.field(
+        default=True, metadata={"help": "native DDP a second time, after the portddp.torch rows (native-again): an "
+                                        "A/A check, whose ratio to native is how far this run can tell two equal "
+                                        "steps apart"})
     split_frameworks: bool = dataclasses.field(
         default=False, metadata={"help": "time PyTorch and JAX variants in separate groups (half the models in "
                                          "memory at once: for many ranks on one host; ratios stay within a group)"})
@@ -86,6 +91,7 @@ def variants(cfg: Config, world):
             ("torch-c10d", "torch-c10d", {}),
             ("torch-mpi", "torch-mpi", {}),
             ("torch-mpi+view", "torch-mpi", {"gradient_as_bucket_view": True}),
+            *((("native-again", "native", {}),) if cfg.native_again else ()),
             ("jax-local", "jax-local", {}),
             ("jax-hooked", "jax-hooked", {}),
             ("jax-compiled", "jax-compiled", {}),
@@ -114,7 +120,7 @@ def per_round(times: list[float], ref: list[float], k: int) -> list[float]:
 
 
 SPREAD = {"torch_c10d_vs_native": ("torch-c10d", "native"), "torch_best_vs_limit": (None, "torch-local"),
-          "jax_hooked_vs_limit": ("jax-hooked", "jax-local")}
+          "jax_hooked_vs_limit": ("jax-hooked", "jax-local"), "native_again_vs_native": ("native-again", "native")}
 """The headline ratios whose per-round range each model's line shows (None: the best torch row)."""
 
 
@@ -153,6 +159,8 @@ def summarise(rows: list[dict], steps_per_round: int = 3) -> tuple[dict, list[tu
                                 ("jax_hooked_vs_limit_rank0", "jax-hooked", "jax-local")):
             if label in by and ref in by and "rank0_median_s" in by[ref]:
                 mine[key] = by[label]["rank0_median_s"] / by[ref]["rank0_median_s"]
+        if "native-again" in by and "native" in by:  # the A/A check: the same step twice
+            mine["native_again_vs_native"] = by["native-again"]["vs_native"]
         if "torch-c10d" in by:
             mine["cpu_torch_c10d_vs_native"] = by["torch-c10d"]["cpu_vs_native"]
         if best:

@@ -36,8 +36,12 @@ def test_last_line_holds_the_headline_ratios(bench):
 def test_every_implementation_is_measured_side_by_side(bench):
     _, payload = bench
     labels = {r["label"] for r in payload["rows"] if r["group"] == "mlp"}
-    assert labels == {"torch-local", "native", "torch-c10d", "torch-mpi", "torch-mpi+view", "jax-local",
-                      "jax-hooked", "jax-compiled"}
+    assert labels == {"torch-local", "native", "torch-c10d", "torch-mpi", "torch-mpi+view", "native-again",
+                      "jax-local", "jax-hooked", "jax-compiled"}
+    aa = payload["models"]["mlp"]["native_again_vs_native"]  # the A/A check: native DDP twice
+    rows = {r["label"]: r for r in payload["rows"] if r["group"] == "mlp"}
+    assert aa == pytest.approx(rows["native-again"]["median_s"] / rows["native"]["median_s"]) and aa > 0
+    assert len(payload["models"]["mlp"]["native_again_vs_native_rounds"]) == 2
     for r in payload["rows"]:
         assert len(r["times_s"]) == 2 and r["median_s"] > 0, r["label"]
 
