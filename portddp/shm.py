@@ -56,7 +56,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["ShmAllreduce", "node_comm", "scatter_into"]
+__all__ = ["ShmAllreduce", "is_half", "node_comm", "scatter_into"]
 
 _ALIGN = 64  # bytes: slices and allocations start on a cache line
 _HEADER = 4096  # per-rank header: counter (int32, the futex word) + descriptor
@@ -77,7 +77,8 @@ def _code(dtype: np.dtype) -> int:
 _HALF_CODES = (_DTYPES.index("float16"), _DTYPES.index("bfloat16"))
 
 
-def _is_half(dtype: np.dtype) -> bool:
+def is_half(dtype: np.dtype) -> bool:
+    """float16 or bfloat16 (cached per dtype, as `_code`)."""
     return _code(dtype) in _HALF_CODES
 
 
@@ -343,7 +344,7 @@ class ShmAllreduce:
 
     def _cross_allreduce(self, mine: np.ndarray) -> None:
         MPI = self._MPI
-        if _is_half(mine.dtype):
+        if is_half(mine.dtype):
             spec, op = [mine.view(np.uint16), MPI.UINT16_T], self._half_op(mine.dtype)
         else:
             spec, op = mine, MPI.SUM
@@ -423,7 +424,7 @@ def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int) -> N
     """Every array of `dests` = ((parts[0] + parts[1]) + parts[2]) + ..., a cache-sized chunk at a
     time. dests[0] is parts[me]'s memory: the sum is made there (read before it is written) and
     copied from cache into the others."""
-    add = _half_add if _is_half(parts[0].dtype) else np.add
+    add = _half_add if is_half(parts[0].dtype) else np.add
     if len(parts) == 2 and me == 1:  # a sum of two is commutative (bitwise): start from my own part
         parts = parts[::-1]
     first = me == 0 or len(parts) == 2  # dests[0] is parts[0]: accumulate in place

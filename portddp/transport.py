@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from portddp.shm import _is_half, scatter_into  # (_is_half: cached per dtype)
+from portddp.shm import is_half, scatter_into
 
 __all__ = ["Handle", "MPITransport", "get_transport"]
 
@@ -216,7 +216,7 @@ class MPITransport:
     # -- collectives ------------------------------------------------------------
     def _typed(self, buf: np.ndarray):
         _check_contiguous(buf)
-        if _is_half(buf.dtype):
+        if is_half(buf.dtype):
             return [buf.view(np.uint16), self._MPI.UINT16_T], _half_sum_op(buf.dtype)
         return buf, self._MPI.SUM
 
