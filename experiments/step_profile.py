@@ -56,8 +56,11 @@ def main(impl: str = "jax-hooked", model: str = "mlp") -> None:
         perf.wait(timeout=60)
         if not (data.exists() and data.stat().st_size > 0):  # (perf refused: perf_event_paranoid, say)
             perf = None
-    print(f"rank {world.rank} {impl} {model}: {wall / steps * 1e3:.1f} ms per step, CPU {cpu / steps * 1e3:.1f} ms "
-          f"(main thread {main_cpu / steps * 1e3:.1f})" + (f", profile in {data}" if perf else ""), flush=True)
+    line = (f"rank {world.rank} {impl} {model}: {wall / steps * 1e3:.1f} ms per step, CPU {cpu / steps * 1e3:.1f} "
+            f"ms (main thread {main_cpu / steps * 1e3:.1f})" + (f", profile in {data}" if perf else ""))
+    # One write for the line and its newline: unbuffered (PYTHONUNBUFFERED), print() writes them
+    # apart, and mpirun may then put the other rank's line between the two.
+    print(line + "\n", end="", flush=True)
 
 
 if __name__ == "__main__":

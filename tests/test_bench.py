@@ -218,7 +218,8 @@ def test_step_profile_times_the_steps_and_writes_a_profile_per_rank(tmp_path):
                    env={"STEPS": "2", "OUT_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
-    assert [line.split()[:4] for line in lines] == [["rank", str(r), "torch-mpi+view", "mlp:"] for r in (0, 1)]
+    assert [line.split()[:4] for line in lines] == [["rank", str(r), "torch-mpi+view", "mlp:"] for r in (0, 1)], \
+        proc.stdout  # (a line each: each rank writes its line whole, so the two cannot interleave)
     if shutil.which("perf") and "profile in" in lines[0]:  # (perf may be refused, e.g. perf_event_paranoid)
         assert (tmp_path / "perf-torch-mpi+view-mlp-0.data").stat().st_size > 0
 
