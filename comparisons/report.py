@@ -466,9 +466,10 @@ def bench_section(payload: dict) -> str:
     line = " ".join(f"{k}={v:.3f}" for k, v in headline.items())
     return ("Every implementation side by side in one run (interleaved rounds). *vs limit*: to the same "
             "framework's step without communication. *native-again*: native DDP a second time in the same "
-            "rounds, an A/A check -- its ratio to native is how far this run can tell two equal steps apart. *CPU ms / it*: CPU time per iteration per rank (mean over "
-            "ranks), all threads, then the main thread, the comm threads (portddp's MPI comm thread, Gloo's), XLA's "
-            "named pools and the rest (a comm thread that spins while it waits shows here, not in the time). "
+            "rounds, an A/A check -- its ratio to native is how far this run can tell two equal steps apart. "
+            "*CPU ms / it*: CPU time per iteration per rank (mean over ranks), all threads, then the main "
+            "thread, the comm threads (portddp's MPI comm thread, Gloo's), XLA's named pools and "
+            "the rest (a comm thread that spins while it waits shows here, not in the time). "
             "*CPU vs limit*: the CPU per iteration over that of the same framework's limit -- steadier than the "
             "ratio of times on a shared machine, and blind to waiting. "
             "*gradient MB*: memory holding gradients after a step "
