@@ -1,4 +1,4 @@
-"""What a leaf larger than 32 MB costs a hooked step in page faults (portddp.jax.taps.keep_freed_memory).
+"""What a leaf larger than 32 MB costs a hooked step in page faults (portddp.malloc.keep_freed_memory).
 
     mpirun -bind-to user:0,1 -n 2 python -m experiments.big_leaf_probe [hooked|compiled]  # portddp's malloc settings
     PORTDDP_MALLOC=system mpirun ... python -m experiments.big_leaf_probe                  # glibc's defaults

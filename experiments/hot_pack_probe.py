@@ -24,6 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from portddp import malloc  # noqa: E402
 from portddp.jax import taps  # noqa: E402
 
 LAYERS, WIDTH, BATCH = 8, 1024, 64
@@ -32,7 +33,7 @@ LAYOUTS = {"per bucket": [[7], [1, 2, 3, 4, 5, 6], [0]], "per layer": [[i] for i
 
 
 def main(rounds: int = int(os.environ.get("ROUNDS", 6)), steps: int = 10) -> None:
-    taps.keep_freed_memory()
+    malloc.keep_freed_memory()
     rng = np.random.default_rng(0)
     params = [(jnp.asarray(rng.standard_normal((WIDTH, WIDTH), np.float32) * 0.03), jnp.zeros(WIDTH, jnp.float32))
               for _ in range(LAYERS)]

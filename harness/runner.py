@@ -27,7 +27,7 @@ import portddp
 from harness.adapter import IMPLEMENTATIONS, Workload, check_implementations, make_trainer
 from harness.measure import GROUPS, CpuMeter, Memory
 from harness.results import environment, median, write_result
-from portddp import cluster
+from portddp import cluster, malloc
 from portddp.launch import detect
 from portddp.timeline import IterationEvents, chrome_trace
 from portddp.transport import get_transport
@@ -72,6 +72,9 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
     if cfg.ranks and cfg.ranks != launched:
         raise SystemExit(f"experiment {name!r} was asked for {cfg.ranks} ranks but launched with {launched}: "
                          f"run `mpirun -n {cfg.ranks} python -m experiments.{name}`")
+    # Before any variant exists: every row runs with the same allocator settings (portddp.jax's
+    # hooked strategy sets them for itself when it is built, process-wide).
+    malloc.keep_freed_memory()
     world = portddp.init(jax_distributed="jax-compiled" in cfg.implementations())
     say = print if world.rank == 0 else (lambda *a, **k: None)
     variants = list(make_variants(cfg, world))

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from portddp import launch, watchdog
+from portddp import launch, malloc, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
@@ -231,7 +231,7 @@ class DistributedDataParallel(DDPCommon):
         if strategy == "compiled":
             compiled.process_devices(self.world_size)  # fails early without jax.distributed
         if strategy == "hooked":
-            taps.keep_freed_memory()
+            malloc.keep_freed_memory()
         self._hook = None
         self._defer_gather = False  # this iteration's all-reduces leave their gathers to _fill
         self._stale_used = None  # the used-count handle of an iteration that failed before its gathers

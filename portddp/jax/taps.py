@@ -16,7 +16,6 @@ launched waits on their sum).
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import jax
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-__all__ = ["UNDER_JVP", "UNDER_VMAP", "checked_loss", "host_call", "host_tap", "in_current_trace", "keep_freed_memory", "reporting",
+__all__ = ["UNDER_JVP", "UNDER_VMAP", "checked_loss", "host_call", "host_tap", "in_current_trace", "reporting",
            "start_token", "traced", "transformation"]
 
 UNDER_VMAP = (
@@ -121,41 +120,6 @@ def _find_buffer_callback():
 
 
 _buffer_callback = _find_buffer_callback()
-
-
-def keep_freed_memory() -> None:
-    """Have glibc keep the large blocks this process frees instead of returning them to the kernel.
-
-    Every hooked step hands each gradient to the host and back: the reduced gradients come back
-    in fresh XLA buffers (and through io_callback the operands go out in fresh numpy arrays too),
-    tens of MB per step. By default glibc serves blocks that large with mmap and unmaps them when
-    freed (or trims the top of the heap), so each step faults every page in again and the kernel
-    zeroes it. Benchmark MLP, one process: 51 -> 39 ms per step with this setting through
-    buffer_callback, 53 -> 43 through io_callback (the step with no callbacks: 18-25 ms). A leaf
-    of 102 MB (a 50000 x 512 embedding, 2 ranks): 85-88 ms and 25000 page faults per hooked step
-    with only the two settings below that glibc caps at 32 MB, 37-54 ms and 0-5000 faults with
-    M_MMAP_MAX = 0 as well (the local jitted step, 58-60 ms, faults all 25000: XLA's own threads
-    allocate it, and a block beyond a thread arena's 64 MB heap still gets its own mapping).
-    mallopt(M_MMAP_MAX = 0) serves large blocks from the heap, mallopt(M_MMAP_THRESHOLD = 32 MB)
-    keeps blocks below 32 MB on the heap where M_MMAP_MAX is not honoured, mallopt(M_TRIM_THRESHOLD
-    = 2 GB) keeps freed heap memory mapped. The cost: the process keeps its peak heap size.
-    Process-wide, once; PORTDDP_MALLOC=system leaves glibc's defaults."""
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED or os.environ.get("PORTDDP_MALLOC", "keep") == "system":
-        return
-    _MALLOC_TUNED = True
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
-    mallopt(m_mmap_threshold, 32 << 20)
-    mallopt(m_mmap_max, 0)
-    mallopt(m_trim_threshold, (1 << 31) - 1)
-
-
-_MALLOC_TUNED = False
 
 
 def host_tap(on_backward, keep_primal: bool = False, on_trace=None):
