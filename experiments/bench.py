@@ -9,7 +9,7 @@ the ~25M parameter `gpt` twin: the step with no communication (torch-local,
 jax-local: the limits), native DDP (Gloo), portddp.torch (c10d; mpi; mpi with
 gradient_as_bucket_view), native DDP again (an A/A check: how far this run can
 tell two equal steps apart), portddp.jax (hooked, compiled). Warm-up, then
-interleaved rounds (noise hits every implementation alike: 5 on gpt, 30 on the
+interleaved rounds (noise hits every implementation alike: 8 on gpt, 30 on the
 MLPs, whose steps are short); per-iteration medians (a step's time is its
 slowest rank's: a synchronous step cannot beat that, so neither can a limit,
 which rank 0's alone would understate when the other rank is slower), ratios to
@@ -60,10 +60,12 @@ class Config(runner.ExperimentConfig):
                                          "memory at once: for many ranks on one host; ratios stay within a group)"})
     sweep_impls: tuple[str, ...] = dataclasses.field(default=("torch-mpi", "jax-hooked"),
                                                      metadata={"help": "implementations in the sweep"})
-    rounds: int = dataclasses.field(default=5, metadata={"help": "interleaved rounds"})
+    rounds: int = dataclasses.field(
+        default=8, metadata={"help": "interleaved rounds (gpt's, the sweep's; each gpt round ~20 s: its ratios move "
+                                     "~4 %% from round to round)"})
     mlp_rounds: int = dataclasses.field(
         default=30, metadata={"help": "interleaved rounds on the MLPs (0: --rounds): their steps are ~10x shorter than "
-                                      "gpt's, so six times the samples still take a fraction of gpt's time (two Gloo "
+                                      "gpt's, so four times the samples still take a fraction of gpt's time (two Gloo "
                                       "rows' ratio spreads ~1/sqrt(2) as far from run to run as with 15)"})
     steps_per_round: int = dataclasses.field(default=3, metadata={"help": "timed steps per variant per round"})
     warmup: int = dataclasses.field(default=6, metadata={"help": "untimed steps per variant (JAX compiles here)"})
