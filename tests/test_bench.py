@@ -4,7 +4,10 @@ and end with the lines the README quotes. (The real runs are minutes long: see R
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -222,6 +225,24 @@ def test_step_profile_times_the_steps_and_writes_a_profile_per_rank(tmp_path):
         proc.stdout  # (a line each: each rank writes its line whole, so the two cannot interleave)
     if shutil.which("perf") and "profile in" in lines[0]:  # (perf may be refused, e.g. perf_event_paranoid)
         assert (tmp_path / "perf-torch-mpi+view-mlp-0.data").stat().st_size > 0
+
+
+def test_phase_probe_times_each_phase_of_each_implementation_on_every_rank():
+    proc = mpi.run(2, "experiments.phase_probe", "mlp", "1", "torch-local", "torch-mpi+view", timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split()[:4] for line in lines] == [["rank", str(r), "mlp", impl] for r in (0, 1)
+                                                    for impl in ("torch-local", "torch-mpi+view")], proc.stdout
+    for line in lines:
+        step = float(line.split()[5])
+        walls = [float(w) for w in re.findall(r"(?:zero_grad|batch|forward|backward|optimizer) ([0-9.]+) /", line)]
+        assert len(walls) == 5 and 0 < step and max(walls) <= step, line  # (medians: each phase within the step)
+
+
+def test_phase_probe_names_its_usage_on_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "experiments.phase_probe", "resnet"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "usage: phase_probe [mlp|gelu-mlp|gpt]" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_each_model_line_gives_the_ratios_range_over_the_rounds(bench):

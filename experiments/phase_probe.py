@@ -1,0 +1,87 @@
+"""Where a PyTorch step's time goes, phase by phase: wall and main-thread CPU of each phase.
+
+    mpirun -bind-to user:0,1 -n 2 python -m experiments.phase_probe                 # gpt, 12 rounds
+    mpirun -bind-to user:0,1 -n 2 python -m experiments.phase_probe gelu-mlp 30 torch-local torch-c10d native
+
+Builds the PyTorch implementations named (harness.adapter's names, or torch-mpi+view; default
+torch-local, torch-mpi+view and native) on a benchmark model, warms them up, then runs ROUNDS
+interleaved rounds of 3 steps each (each round starting with another one, no garbage collection
+inside a turn, as the benchmark does) and times every step's phases on the main thread:
+zero_grad, the batch, the forward (with the loss), the backward (with DDP's hooks, packs and the
+wait for the last bucket) and the optimizer step. Prints each rank's medians, wall / CPU ms: a
+phase whose wall exceeds its CPU waited (for a peer, or for a comm thread sharing the core).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+
+import portddp
+from harness.adapter import make_trainer
+from harness.runner import MODELS, VIEW_OF, bench_workload
+from portddp import malloc
+
+PHASES = ("zero_grad", "batch", "forward", "backward", "optimizer")
+
+
+def timed_step(trainer) -> dict[str, tuple[float, float]]:
+    """One training step as TorchTrainer.step takes it, each phase's (wall, CPU) seconds."""
+    import torch  # noqa: PLC0415
+
+    out, t = {}, (time.perf_counter(), time.thread_time())
+
+    def done(phase):
+        nonlocal t
+        now = (time.perf_counter(), time.thread_time())
+        out[phase] = (now[0] - t[0], now[1] - t[1])
+        t = now
+
+    trainer.opt.zero_grad()
+    done("zero_grad")
+    x, y = (torch.from_numpy(a) for a in trainer.batch(0))
+    done("batch")
+    loss = trainer.work.torch_loss(trainer.wrapped(x), y)
+    done("forward")
+    loss.backward()
+    done("backward")
+    trainer.opt.step()
+    done("optimizer")
+    trainer.steps += 1
+    return out
+
+
+def main(argv: list[str]) -> None:
+    model = argv[0] if argv else "gpt"
+    rounds = int(argv[1]) if len(argv) > 1 else 12
+    impls = argv[2:] or ["torch-local", "torch-mpi+view", "native"]
+    if model not in MODELS or any(not (i.startswith("torch") or i == "native") for i in impls):
+        raise SystemExit(f"usage: phase_probe [{'|'.join(MODELS)}] [rounds] [PyTorch implementations...]")
+    malloc.keep_freed_memory()  # as the benchmark runs every row
+    world = portddp.init()
+    work = bench_workload(model)
+    trainers = {i: make_trainer(VIEW_OF.get(i, i), work, world, gradient_as_bucket_view=i in VIEW_OF) for i in impls}
+    for trainer in trainers.values():
+        for _ in range(4):
+            timed_step(trainer)
+    steps = {i: [] for i in trainers}
+    order = list(trainers.items())
+    for r in range(rounds):
+        for label, trainer in order[r % len(order):] + order[:r % len(order)]:
+            gc.collect()
+            gc.disable()
+            try:
+                steps[label] += [timed_step(trainer) for _ in range(3)]
+            finally:
+                gc.enable()
+    for label, taken in steps.items():
+        total = statistics.median(sum(s[p][0] for p in PHASES) for s in taken) * 1e3
+        parts = "  ".join(f"{p} {statistics.median(s[p][0] for s in taken) * 1e3:.1f} / "
+                          f"{statistics.median(s[p][1] for s in taken) * 1e3:.1f}" for p in PHASES)
+        print(f"rank {world.rank} {model} {label:15s} step {total:6.1f} ms   {parts}\n", end="", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
