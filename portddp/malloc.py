@@ -32,7 +32,10 @@ def keep_freed_memory() -> None:
     step; a 102 MB leaf: 85-88 ms and 25000 page faults per step -> 37-54 ms and 0-5000 faults).
     The benchmark harness calls it before it builds any variant, so every row runs with it. A
     PyTorch job on CPU that zeroes its gradients with set_to_none=True may call it too (gpt, one
-    process, minor faults per step: torch-local 445 -> 0, native DDP 149 -> 41).
+    process, minor faults per step: torch-local 445 -> 0, native DDP 149 -> 41). portddp.torch
+    does not call it itself: there the fresh buffers are autograd's, made alike with native DDP
+    or with no DDP at all, so changing the process's allocator is the script's choice, not the
+    wrapper's (portddp.jax hooked's fresh buffers are its own callbacks').
     """
     global _TUNED
     if _TUNED or os.environ.get("PORTDDP_MALLOC", "keep") == "system":
