@@ -475,7 +475,41 @@ def bench_section(payload: dict) -> str:
             "*gradient MB*: memory holding gradients after a step "
             "(every .grad storage plus bucket buffers). *peak RSS MB*: resident memory added while the variant "
             "was built and warmed up (approximate: memory freed by an earlier variant can be reused).\n"
-            + "".join(parts) + f"\nHeadline (the worst over the models): `{line}`\n")
+            + "".join(parts) + _ratio_precision(payload.get("models", {}))
+            + f"\nHeadline (the worst over the models): `{line}`\n")
+
+
+RATIOS = (("torch_c10d_vs_native", "portddp.torch c10d vs native"), ("torch_best_vs_limit", "portddp.torch best vs limit"),
+          ("jax_hooked_vs_limit", "portddp.jax hooked vs limit"), ("native_again_vs_native", "native again vs native (A/A)"))
+
+
+def _ratio_precision(models: dict) -> str:
+    """The headline ratios per model with their standard error within the run and their range
+    over the rounds (experiments.bench writes both): how far another run could read them."""
+    names = list(models)
+    rows = []
+    for key, title in RATIOS:
+        cells = []
+        for m in names:
+            mine = models[m]
+            if key not in mine:
+                cells.append("–")
+                continue
+            se, spread = mine.get(f"{key}_se"), mine.get(f"{key}_rounds")
+            cell = f"{mine[key]:.3f}"
+            if isinstance(se, float) and not math.isnan(se):
+                cell += f" ± {se:.3f}"
+            if spread:
+                cell += f" (rounds {spread[0]:.3f}–{spread[1]:.3f})"
+            cells.append(cell)
+        if any(c != "–" for c in cells):
+            rows.append([title, *cells])
+    if not rows:
+        return ""
+    return ("\n### Ratios and their precision\n\nEach ratio of medians ± its standard error within this run "
+            "(the rounds redrawn with replacement), and its range from round to round: a ratio less than about "
+            "two standard errors from a target may read on the other side of it in another run.\n\n"
+            + table(["ratio", *names], rows) + "\n")
 
 
 def equivalence_section(results: list[dict]) -> str:

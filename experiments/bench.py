@@ -122,15 +122,34 @@ def per_round(times: list[float], ref: list[float], k: int) -> list[float]:
     return [statistics.median(times[i:i + k]) / statistics.median(ref[i:i + k]) for i in range(0, n, k)]
 
 
+def bootstrap_se(times: list[float], ref: list[float], k: int, resamples: int = 400, seed: int = 0) -> float:
+    """The standard error, within this run, of the ratio of the two variants' medians: its
+    standard deviation over `resamples` redraws of the run's rounds with replacement (a round's
+    steps of both variants drawn together: they ran side by side; a fixed seed, so a run's
+    JSON always says the same). A ratio less than about two of these from a target can read
+    on either side of it in another run of the same code. NaN with fewer than 2 rounds."""
+    import numpy as np  # noqa: PLC0415
+
+    n = min(len(times), len(ref)) // k
+    if n < 2:
+        return math.nan
+    a, b = (np.asarray(x[:n * k], dtype=float).reshape(n, k) for x in (times, ref))
+    rounds = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    ratios = np.median(a[rounds].reshape(resamples, -1), axis=1) / np.median(b[rounds].reshape(resamples, -1), axis=1)
+    return float(np.std(ratios, ddof=1))
+
+
 SPREAD = {"torch_c10d_vs_native": ("torch-c10d", "native"), "torch_best_vs_limit": (None, "torch-local"),
           "jax_hooked_vs_limit": ("jax-hooked", "jax-local"), "native_again_vs_native": ("native-again", "native")}
-"""The headline ratios whose per-round range each model's line shows (None: the best torch row)."""
+"""The headline ratios whose per-round range and standard error each model's line shows (None: the
+best torch row)."""
 
 
 def summarise(rows: list[dict], steps_per_round: int = 3) -> tuple[dict, list[tuple[str, dict]]]:
     """Per model: each row's ratios to native DDP and to its framework's limit (written into
     the rows); the headline (worst over models); the range over the rounds of the headline's
-    ratios (`<key>_rounds`: [lowest, highest]); and the sweep's auto-vs-best-fixed ratios."""
+    ratios (`<key>_rounds`: [lowest, highest]) and their standard error within the run
+    (`<key>_se`, bootstrap_se); and the sweep's auto-vs-best-fixed ratios."""
     headline: dict[str, float] = {}
     tables = []
     for model in dict.fromkeys(r["params"]["model"] for r in rows if "model" in r["params"]):
@@ -176,6 +195,7 @@ def summarise(rows: list[dict], steps_per_round: int = 3) -> tuple[dict, list[tu
                 ratios = per_round(by[label]["times_s"], by[ref]["times_s"], steps_per_round)
                 if ratios:
                     mine[f"{key}_rounds"] = [min(ratios), max(ratios)]
+                    mine[f"{key}_se"] = bootstrap_se(by[label]["times_s"], by[ref]["times_s"], steps_per_round)
         tables.append((model, mine))
         for k in HEADLINE:  # the worst model decides: "overlap" is better high, the rest low
             if k in mine:

@@ -4,6 +4,7 @@ and end with the lines the README quotes. (The real runs are minutes long: see R
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -267,3 +268,20 @@ def test_each_model_line_gives_the_ratios_range_over_the_rounds(bench):
     assert "torch_c10d_vs_native_rounds=" in line and "jax_hooked_vs_limit_rounds=" in line, line
     lo, hi = payload["models"]["mlp"]["torch_c10d_vs_native_rounds"]
     assert 0 < lo <= hi, (lo, hi)
+
+
+def test_each_ratio_carries_its_standard_error_within_the_run(bench):
+    """bootstrap_se: the spread of a ratio of medians over redraws of the run's rounds -- zero when
+    every round gives the same ratio, larger the more the rounds disagree, the same on every call."""
+    from experiments.bench import bootstrap_se  # noqa: PLC0415
+
+    ref = [0.10, 0.11, 0.09] * 8
+    assert bootstrap_se([2 * t for t in ref], ref, 3) == pytest.approx(0.0, abs=1e-12)
+    steady = [t * (1.0 + 0.01 * (r % 2)) for r in range(8) for t in ref[:3]]
+    shaky = [t * (1.0 + 0.20 * (r % 2)) for r in range(8) for t in ref[:3]]
+    assert 0 < bootstrap_se(steady, ref, 3) < bootstrap_se(shaky, ref, 3) < 0.2
+    assert bootstrap_se(shaky, ref, 3) == bootstrap_se(shaky, ref, 3)
+    assert math.isnan(bootstrap_se(ref[:5], ref[:5], 3))  # one whole round: nothing to redraw
+    _, payload = bench  # the real run stores one per headline ratio (its single round: NaN)
+    mine = payload["models"]["mlp"]
+    assert {"torch_c10d_vs_native_se", "torch_best_vs_limit_se", "native_again_vs_native_se"} <= mine.keys(), mine

@@ -95,7 +95,9 @@ def test_benchmark_section_comes_from_the_json_alone(tmp_path):
              "median_s": s, "times_s": [s, s], "vs_native": s / 0.2, "vs_limit": s / 0.1, "cpu": cpu}
             for label, s in (("torch-local", 0.1), ("native", 0.2))]
     payload = {"experiment": "bench", "portddp_version": portddp.__version__, "command": "mpirun -n 2 python -m "
-               "experiments.bench", "rows": rows, "headline": {"torch_c10d_vs_native": 1.234}, "environment": {}}
+               "experiments.bench", "rows": rows, "headline": {"torch_c10d_vs_native": 1.234}, "environment": {},
+               "models": {"gelu-mlp": {"torch_c10d_vs_native": 1.234, "torch_c10d_vs_native_se": 0.0123,
+                                       "torch_c10d_vs_native_rounds": [1.1, 1.3], "torch_best_vs_limit": 1.5}}}
     (tmp_path / "bench-n2.json").write_text(json.dumps(payload))
     proc = mpi.run(None, "comparisons.report", "--results", str(tmp_path), "--out", str(tmp_path / "rep"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -103,3 +105,6 @@ def test_benchmark_section_comes_from_the_json_alone(tmp_path):
     assert "### gelu-mlp" in md and "| CPU ms / it | main | comm | xla | other |" in md
     assert "| native | 200.0 (200–200) | 1.000 | 2.000 | – | – | 80.0 | 60.0 | 18.0 | 0.0 | 2.0 |" in md
     assert "`torch_c10d_vs_native=1.234`" in md
+    # each ratio with its precision within the run, as far as the JSON gives it
+    assert "| portddp.torch c10d vs native | 1.234 ± 0.012 (rounds 1.100–1.300) |" in md, md
+    assert "| portddp.torch best vs limit | 1.500 |" in md and "hooked vs limit" not in md
