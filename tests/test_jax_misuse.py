@@ -50,6 +50,11 @@ CASES = {
                                 r"traced with has been garbage-collected: keep it \(or its grad_fn\) alive",
     "buffers_differ_compiled": r"ValueError: model buffers \(non-Param state, e\.g\. BatchStat\) differ across ranks: "
                                r"buffer #0 is \['stat'\]\.value \(3,\) float32 on rank 0 but \['stat'\]\.value \(4,\)",
+    **{f"buffers_on_one_rank_{kind}": r"ValueError: model buffers \(non-Param state, e\.g\. BatchStat\) differ across "
+       r"ranks: rank 0 has 1 buffers, rank 1 has 0; the first one only rank 0 has is \['stat'\]\.value"
+       for kind in ("hooked", "compiled")},
+    "eager_here_jitted_there": r"OK same_plan=True max_rel_ok=True$",
+    "eager_then_jitted_on_one_rank": r"OK same_plan=True max_rel_ok=True$",
     "differentiate_grad_fn": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) cannot be differentiated "
                              r"\(a gradient of its gradients: MAML.*Put the inner derivative inside loss_fn",
     "pmap_under_mpirun": r"ValueError: strategy='pmap' maps over this process's devices only, but mpirun started 2 "

@@ -13,7 +13,8 @@ from portddp.jax import PowerSGDState, powerSGD_hook
 from tests import mpi
 
 HOOK_SCENARIOS = ["rank1", "rank1_compress_biases", "rank2", "rank2_no_warm_start",
-                  "rank1_no_error_feedback_no_warm_start", "rank4_qr", "epsilon", "buckets_with_1d_only"]
+                  "rank1_no_error_feedback_no_warm_start", "rank4_qr", "epsilon", "buckets_with_1d_only",
+                  "zero_size_leaves"]
 TRAIN_SCENARIOS = ["rank1", "rank2", "rank1_jax_two_buckets", "rank2_jax_two_buckets"]
 
 

@@ -206,9 +206,10 @@ class DistributedDataParallel(DDPCommon):
         self._step_count = 0  # grad_fn calls (sync=False ones included), compared across ranks at every reduction
         self._traced_done = None  # the last traced synchronised step's end (see _after_previous_iteration)
         self._local_params = None  # the parameters of the last eager sync=False step, while values may differ
-        self._buffers_agreed = False  # compiled: buffer specs compared across ranks (first synchronised step)
+        self._buffers_agreed = False  # buffer specs (and, hooked, eager vs traced) agreed across ranks: _agree_on_start
         self._step_counted = False  # this eager call counted already (else its traced program counts it)
         self._layout = Layout(params, order, canonical)
+        self._mixed = canonical is not None  # a job shared with PyTorch ranks (see _agree_on_start)
         specs = self._specs(params)
 
         if strategy != "pmap":  # (pmap: one process, nobody to compare with)
@@ -556,8 +557,6 @@ class DistributedDataParallel(DDPCommon):
             traced = taps.traced((params, state, batch))
             if sync and self._values_differ:
                 self._check_same_values(params, taps.traced(params))
-            if sync and self.strategy == "compiled" and not self._buffers_agreed and self._will_sync_buffers(state):
-                self._check_same_buffers(state[0])
             self._step_count += not traced  # (traced: counted when the program runs, by _begin_iteration)
             if traced and not sync:  # an accumulation step inside the caller's jit: counted when it runs
                 taps.host_call(taps.reporting(lambda: me._count_step(), self._callback_errors),
@@ -573,12 +572,18 @@ class DistributedDataParallel(DDPCommon):
                     "own), or use strategy='hooked', which can be traced into jit and scan")
             if traced and sync and taps.transformation((params, state, batch)) == "jax.vmap":
                 raise ValueError(taps.UNDER_VMAP)  # (vmap of a jit: taps.host_call refuses it when batched)
+            if sync and not self._buffers_agreed:
+                self._agree_on_start(state, traced)
             if traced and self.strategy == "hooked":
                 # Inside the caller's trace: the program is traced once, with today's plan, so the
-                # plan must not change under it -- no rebuild in this mode.
+                # plan must not change under it -- no rebuild after this. (A rebuild pending from an
+                # eager step before -- as on every rank, _agree_on_start -- is made now, before the
+                # program is traced, as a rank calling eagerly makes it at this call.)
                 if self._tuner is not None:
                     raise ValueError("bucket_cap_mb='auto' re-plans between grad_fn calls, which cannot happen "
                                      "inside your own jax.jit: pass a number of MB, or call grad_fn outside jit")
+                if self._rebuild_order is not None:
+                    self._rebuild()
                 self._rebuilt, self._rebuild_order = True, None
             elif not traced:
                 if sync and self._tuner is not None and not self._tuner.done:
@@ -716,19 +721,35 @@ class DistributedDataParallel(DDPCommon):
         return (state is not None and self.broadcast_buffers and self.world_size > 1
                 and bool(jax.tree.leaves(state[0])))
 
-    def _check_same_buffers(self, buffers) -> None:
-        """strategy='compiled', first synchronised step: the buffers rank 0 broadcasts inside the
-        program must have the same paths, shapes and dtypes everywhere (XLA's broadcast of
-        mismatched ones aborts the process). The hooked strategy's Bcast, which a PyTorch rank
-        may share, names a mismatch when it fails instead (_sync_buffers)."""
+    def _agree_on_start(self, state, traced: bool) -> None:
+        """Once, at the first synchronised grad_fn call (eager, or while the caller's jit traces
+        it), before any collective of the step: one allgather that every rank takes part in,
+        whether or not it holds buffers (a rank without any would skip the buffer broadcast its
+        peers issue, and the next collectives would pair wrongly).
+
+        * The buffers rank 0 broadcasts (broadcast_buffers) must have the same paths, shapes and
+          dtypes everywhere: XLA's broadcast of mismatched ones aborts the process, and MPI's
+          pairs a rank's Bcast with another's all-reduce.
+        * hooked: whether the call is traced. A rank inside the caller's jit never re-plans (its
+          program is traced once); a rank calling eagerly would re-plan at its next call, alone,
+          and its buckets would then sum other parameters than its peers' at equal sizes. If any
+          rank is traced, none re-plans.
+
+        Not in a job shared with PyTorch ranks (`canonical`), whose side has no such exchange:
+        there the Bcast names a mismatch when it fails (_sync_buffers)."""
         self._buffers_agreed = True
-        mine = [(jax.tree_util.keystr(path), tuple(jnp.shape(x)), str(jnp.result_type(x)))
-                for path, x in jax.tree_util.tree_flatten_with_path(buffers)[0]]
-        self._issue("buffer check")
+        if self.world_size == 1 or self.strategy == "pmap" or (self.strategy == "hooked" and self._mixed):
+            return
+        buffers = state[0] if state is not None and self.broadcast_buffers else None
+        specs = [(jax.tree_util.keystr(path), tuple(jnp.shape(x)), str(jnp.result_type(x)))
+                 for path, x in jax.tree_util.tree_flatten_with_path(buffers)[0]]
+        self._issue("buffer and plan check")
         with watchdog.waiting():
-            everyone = self._comm.allgather_object(mine)
-        check_same_specs(everyone, "model buffers (non-Param state, e.g. BatchStat) differ across ranks", "buffer",
-                         "buffers")
+            everyone = self._comm.allgather_object((specs, bool(traced)))
+        check_same_specs([e[0] for e in everyone], "model buffers (non-Param state, e.g. BatchStat) differ across "
+                         "ranks", "buffer", "buffers")
+        if any(e[1] for e in everyone):
+            self._rebuilt, self._rebuild_order = True, None
 
     def _sync_buffers(self, leaves, synchronises: bool = True) -> list[np.ndarray]:
         """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast with a header

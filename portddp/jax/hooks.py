@@ -243,6 +243,9 @@ def powerSGD_hook(state: PowerSGDState, bucket) -> Handle:
     by_shape: dict[tuple[int, int], list[np.ndarray]] = {}
     uncompressed = []
     for tensor in tensors:
+        if tensor.size == 0:  # nothing to compress (nor to reshape into a matrix)
+            uncompressed.append(tensor)
+            continue
         matrix = tensor.reshape(tensor.shape[0] if tensor.ndim else 1, -1)
         if not np.shares_memory(matrix, buffer):
             raise RuntimeError(f"bucket {b}: a gradient is not a contiguous view of the bucket buffer")

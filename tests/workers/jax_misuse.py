@@ -343,6 +343,53 @@ def buffers_differ_compiled():
     return "no error"
 
 
+def buffers_on_one_rank(strategy: str):
+    """Rank 0's model has a BatchStat, rank 1's has none (the same Params): rank 1 would skip the
+    buffer broadcast rank 0 issues and the next collectives would pair wrongly (MPI's raw error;
+    compiled: a Gloo timeout). Named on every rank at the first synchronised step."""
+    from flax import nnx  # noqa: PLC0415
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 2, rngs=rngs)
+            if WORLD.rank == 0:
+                self.stat = nnx.BatchStat(jnp.zeros(3))
+
+        def __call__(self, x):
+            return self.l1(x) + (self.stat.value.sum() if WORLD.rank == 0 else 0.0)
+
+    model = Net(nnx.Rngs(0))
+    grad_fn = DistributedDataParallel(model, strategy=strategy).nnx_value_and_grad(lambda m, x: jnp.mean(m(x)))
+    grad_fn(model, batch(0))
+    return "no error"
+
+
+def eager_and_jitted(first_jitted_step: dict):
+    """Legal: rank 1 calls the hooked grad_fn inside jax.jit from step `first_jitted_step[1]` on,
+    rank 0 eagerly throughout; two equal-sized parameters, one per bucket, used in the reverse of
+    their order. A rank calling eagerly re-plans from the order gradients arrived in; a traced
+    program cannot: every rank must end with the same plan (rank 0 used to re-plan alone, and its
+    buckets then summed one parameter with the other's)."""
+    params = {"a": jnp.eye(4) * 0.5 + 0.01, "b": jnp.eye(4) * 0.3 - 0.02}
+
+    def reverse_loss(p, x):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ p["b"]) @ p["a"]))
+
+    cap = 4 * 4 * 4 / 2**20
+    ddp = DistributedDataParallel(params, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+    grad_fn = ddp.value_and_grad(reverse_loss)
+    jitted = jax.jit(grad_fn)
+    start = first_jitted_step.get(WORLD.rank)
+    worst = 0.0
+    for step in range(3):
+        xs = [jnp.asarray(np.random.default_rng(100 * step + r).standard_normal((3, 4)), jnp.float32) for r in range(2)]
+        want = jax.tree.map(lambda a, b: (a + b) / 2, *(jax.grad(reverse_loss)(params, x) for x in xs))
+        _, grads = (jitted if start is not None and step >= start else grad_fn)(params, xs[WORLD.rank])
+        worst = max(worst, rel(grads, want))
+    plans = get_transport().allgather_object([list(b.params) for b in ddp.bucket_plan.buckets])
+    return f"same_plan={plans[0] == plans[1]} max_rel_ok={worst < 1e-5}"
+
+
 def other_containers():
     """The same leaf paths in other containers (a tuple where DDP was built with a list)."""
     params = [jnp.ones((4, 2), jnp.float32), jnp.zeros(2, jnp.float32)]
@@ -433,6 +480,10 @@ CASES = {
     "pmap_under_mpirun": pmap_under_mpirun,
     "differentiate_grad_fn": differentiate_grad_fn,
     "buffers_differ_compiled": buffers_differ_compiled,
+    "buffers_on_one_rank_hooked": lambda: buffers_on_one_rank("hooked"),
+    "buffers_on_one_rank_compiled": lambda: buffers_on_one_rank("compiled"),
+    "eager_here_jitted_there": lambda: eager_and_jitted({1: 0}),
+    "eager_then_jitted_on_one_rank": lambda: eager_and_jitted({1: 1}),
     "reduce_before_any_step_hooked": lambda: reduce_before_any_step("hooked"),
     "reduce_before_any_step_compiled": lambda: reduce_before_any_step("compiled"),
     "model_grew": model_grew,

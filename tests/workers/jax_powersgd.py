@@ -73,8 +73,10 @@ class JaxBucket(GradBucket):
         super().__init__(index, buffer, [str(s) for s in shapes], grads, num_buckets, MPIComm())
 
 
-def hooks_alone(name, buckets, iters=6, dtype=np.float32, **kw):
-    """`buckets`: per bucket, its parameter shapes. Largest |torch - jax| / max(1, |torch|) per iteration."""
+def hooks_alone(name, buckets, iters=6, dtype=np.float32, jax_buckets=None, **kw):
+    """`buckets`: per bucket, its parameter shapes (`jax_buckets`: portddp.jax's, if they differ --
+    by zero-size ones, which PyTorch's hook cannot reshape). Largest |torch - jax| / max(1, |torch|)
+    per iteration."""
     t_state = torch_psgd.PowerSGDState(process_group=None, **kw)
     j_state = PowerSGDState(**kw)
     diffs = []
@@ -90,7 +92,7 @@ def hooks_alone(name, buckets, iters=6, dtype=np.float32, **kw):
         # portddp.jax's as DDP calls it: every bucket's hook, then the waits in bucket order.
         j_bufs = [g.copy() for g in grads]
         handles = [powerSGD_hook(j_state, JaxBucket(b, j_bufs[b], shapes, len(buckets)))
-                   for b, shapes in enumerate(buckets)]
+                   for b, shapes in enumerate(jax_buckets or buckets)]
         for h in handles:
             h.wait()
         diffs.append(max(float(np.max(np.abs(t - j)) / max(1.0, float(np.max(np.abs(t)))))
@@ -216,6 +218,10 @@ def main():
     hooks_alone("epsilon", mlp, start_powerSGD_iter=2, orthogonalization_epsilon=1e-8)
     # several buckets, one of them with 1-D gradients only (nothing compressed there)
     hooks_alone("buckets_with_1d_only", [[(OUT,), (HID,), (HID,)], [(OUT, HID)], [(HID, HID), (HID, IN), (3, 4, 5)]],
+                start_powerSGD_iter=2)
+
+    # zero-size gradients among them: left uncompressed (no matrix to make), the rest as PyTorch's
+    hooks_alone("zero_size_leaves", [[(OUT, HID), (HID,)]], jax_buckets=[[(0, 12), (OUT, HID), (HID,), (0,)]],
                 start_powerSGD_iter=2)
 
     train("plain_allreduce", hook=False)
