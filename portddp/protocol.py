@@ -172,6 +172,16 @@ def check_same_frozen(everyone: Sequence[Sequence]) -> None:
                      "frozen (requires_grad=False) parameters")
 
 
+def check_same_buffers(everyone: Sequence[Sequence]) -> None:
+    """The fourth item of the model check (a PyTorch rank's buffers, where they are broadcast):
+    every rank raises alike if the lists differ, before any rank broadcasts them. Not compared
+    where some rank sent none (a JAX rank of a mixed job: its buffers come with each step)."""
+    lists = [e[3] if len(e) > 3 else None for e in everyone]
+    if any(x is None for x in lists):
+        return
+    check_same_specs(lists, "model mismatch across ranks (the buffers rank 0 broadcasts)", "buffer", "buffers")
+
+
 SHADOW = 0  # the step slot of a rank that shadows the others in join(): not compared
 
 
@@ -201,11 +211,27 @@ def check_same_step(slots: Sequence[int], rank: int) -> None:
         f"ranks reached this gradient reduction at different steps ({where}; this is rank {rank}; a step is a "
         "forward with autograd on through the wrapper, no_sync ones included -- JAX: a grad_fn call): some rank "
         "ran a step locally that the others synchronised, or the other way round (no_sync() / sync=False on some "
-        "ranks only, a backward skipped on some ranks), so its gradients were being averaged with another step's. "
+        "ranks only, a backward skipped on some ranks), so its gradients were being averaged with another step's; "
+        "an evaluation forward with autograd on, on some ranks only (`if rank == 0: ddp(val_batch)`), counts as "
+        "a step too: run it under torch.no_grad() or through ddp.module(...). "
         + (f"Rank(s) {', '.join(map(str, never))} reduced before running any step (JAX: ddp.reduce() before any "
            "grad_fn call; compute the local gradients with grad_fn(..., sync=False) on every rank). " if never else "")
         + "Every rank must run the same steps; give ranks with fewer batches join() (JAX: ddp.uneven()). If ranks "
         "accumulate different numbers of local steps on purpose, set PORTDDP_CHECK_STEPS=0")
+
+
+def check_rebuild_order(order: Sequence[int], n: int, rank: int) -> list[int]:
+    """Rank 0's gradient order as the plan rebuild's broadcast delivered it (-1: not observed):
+    the observed indices, or an error on a rank that received something else -- its broadcast
+    was paired with another collective of rank 0's."""
+    observed = [int(i) for i in order if i >= 0]
+    if len(order) == n and all(i < n for i in observed) and len(set(observed)) == len(observed):
+        return observed
+    raise RuntimeError(
+        f"the bucket plan's rebuild on rank {rank} received something other than rank 0's gradient order from rank "
+        "0's broadcast: the ranks issued different collectives here -- most likely a forward of the "
+        "DistributedDataParallel wrapper on some ranks only (rank-0-only evaluation: its buffer broadcast met "
+        "this one). Evaluate on every rank, or on one rank through ddp.module(...)")
 
 
 def hook_result_error(hook: str, bucket: int, got: str, size: int, dtype: str, future: str) -> RuntimeError:

@@ -10,7 +10,8 @@ import re
 import numpy as np
 import pytest
 
-from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_same_config,
+from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_rebuild_order,
+                              check_same_buffers, check_same_config,
                               check_same_frozen, check_same_hook, check_same_specs, check_same_step,
                               nonfinite_error, step_slot, unused_parameters_error)
 
@@ -262,3 +263,23 @@ def test_mismatched_header_describes_both_forwards_and_the_fix():
             "forward that synchronises gradients after 3 synchronised iterations") in msg
     assert "np.int64" not in msg
     assert "ddp.module(...)" in msg and "`if rank == 0: ddp(val_batch)`" in msg
+
+
+def test_rebuild_order_is_checked_as_received():
+    """The plan rebuild's broadcast of rank 0's gradient order: what else arrives (another
+    collective of rank 0's met it) is named, not handed to the planner."""
+    assert check_rebuild_order([2, 0, 1, -1], 4, 1) == [2, 0, 1]
+    for bad in ([4575657222473777152, 0, 1, 2], [0, 0, 1, 2], [0, 1, 2]):
+        with pytest.raises(RuntimeError, match=r"rebuild on rank 1 received something other than rank 0's gradient "
+                                               r"order .*rank-0-only evaluation.* ddp\.module"):
+            check_rebuild_order(bad, 4, 1)
+
+
+def test_buffers_are_compared_where_every_rank_sent_them():
+    same = [["p"], None, None, [("bn.running_mean", (4,), "float32")]]
+    check_same_buffers([same, same])
+    check_same_buffers([same, [["p"], None, None]])  # a JAX rank of a mixed job sends none: not compared
+    other = [["p"], None, None, [("bn.running_mean", (4,), "float64")]]
+    with pytest.raises(ValueError, match=r"the buffers rank 0 broadcasts\): buffer #0 is 'bn\.running_mean' \(4,\) "
+                                         r"float32 on rank 0 but 'bn\.running_mean' \(4,\) float64 on rank 1"):
+        check_same_buffers([same, other])

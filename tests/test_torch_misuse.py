@@ -79,6 +79,20 @@ def test_legal_patterns_pass_the_new_checks(case):
     assert proc.returncode == 0 and proc.stdout.count("PORTDDP_NO_ERROR") == 2, proc.stdout + proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("case, pattern", [
+    ("buffer_dtype", r"model mismatch across ranks \(the buffers rank 0 broadcasts\): buffer #1 is '1\.running_var' "
+                     r"\(4,\) float32 on rank 0 but '1\.running_var' \(4,\) float64 on rank 1"),
+    ("buffer_count", r"model mismatch across ranks \(the buffers rank 0 broadcasts\): buffer #0 is '1\.running_mean' "
+                     r"\(4,\) float32 on rank 0 but 'extra' \(2,\) float32 on rank 1"),
+])
+def test_buffers_that_differ_across_ranks_are_named_at_construction(transport, case, pattern):
+    """A buffer of another dtype on one rank: Gloo's broadcast reinterpreted its bytes (silently
+    wrong running stats; native DDP dies in Gloo), MPI failed raw; one buffer more: a hang."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", case, transport, timeout=90)
+    mpi.errors_on_every_rank(proc, 2, pattern)
+
+
 def test_a_parameter_unfrozen_after_wrapping_is_named():
     proc = mpi.run(2, "tests.workers.torch_bad_input", "unfrozen_after_wrap", "mpi", timeout=90)
     mpi.errors_on_every_rank(proc, 2, r"trainable parameters changed after DistributedDataParallel wrapped it: 3 "

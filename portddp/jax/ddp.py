@@ -66,9 +66,9 @@ from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
-from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config, check_same_frozen,
-                              check_same_step, check_same_specs, hook_result_error, nonfinite_error, step_slot,
-                              unused_parameters_error)
+from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_rebuild_order, check_same_config,
+                              check_same_frozen, check_same_step, check_same_specs, hook_result_error,
+                              nonfinite_error, step_slot, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
 
@@ -1083,7 +1083,7 @@ class DistributedDataParallel(DDPCommon):
         self._issue("plan rebuild (rank 0's gradient order)")
         with watchdog.waiting():
             self._comm.broadcast_([order], src=0)
-        self._observed_order = [int(i) for i in order if i >= 0]
+        self._observed_order = check_rebuild_order(order.tolist(), len(self._layout.names), self.rank)
         self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
                                         self.first_bucket_cap_mb))
         self._rebuild_order = None

@@ -61,9 +61,10 @@ from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
-from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_same_config,
-                              check_same_frozen, check_same_step, check_same_specs, hook_result_error,
-                              nonfinite_error, step_slot, unused_parameters_error)
+from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_rebuild_order,
+                              check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
+                              check_same_step, hook_result_error, nonfinite_error, step_slot,
+                              unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
 from portddp.torch.native import NativeInterface, _done, registrations
@@ -272,6 +273,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._inv_world = 1.0 / self.world_size
         self._divide_by_initial_world_size = True
         self._warn_if_alone()
+        # Buffers are compared too wherever they travel (before forwards, or at construction): a
+        # rank with one buffer more, or of another dtype, would pair its broadcasts wrongly -- Gloo
+        # then reinterprets the bytes (silently), MPI fails raw.
+        self._check_buffers = bool(forward_sync_buffers or (init_sync and init_sync_buffers))
         self._verify_same_model(specs)
         self._hook = None
         self._hook_state = None
@@ -333,11 +338,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         rank 0's; name the first difference."""
         self._issue("model check")
         mine = [(n, tuple(p.shape), _dtype_name(p.dtype)) for n, p in self._frozen_named()] if frozen else None
+        buffers = [(n, tuple(b.shape), _dtype_name(b.dtype)) for n, b in self.module.named_buffers()
+                   if n not in self.parameters_to_ignore] if self._check_buffers else None
         with watchdog.waiting():
             # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
-            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine])
+            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine, buffers])
         check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters")
         check_same_frozen(everyone)
+        check_same_buffers(everyone)
 
     def _frozen_named(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.module.named_parameters()
@@ -385,7 +393,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             for i, off in zip(bucket.params, bucket.offsets):
                 p = self._params[i]
                 self._bucket_of[i] = b
-                self._views[i] = self._bucket_buffers[b][off:off + p.numel()].view_as(p)
+                self._views[i] = _bucket_view(self._bucket_buffers[b], off, p)
                 if self.gradient_as_bucket_view and p.grad is not None:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
@@ -494,15 +502,21 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if getattr(self, "_verify_pending", False):  # .to()/.double() since the last forward: same on every rank?
             self._verify_same_model(list(self._plan.specs))
             self._verify_pending = False
+        # With find_unused_parameters, a parameter frozen after wrapping (requires_grad_(False))
+        # stays in the plan as an unused one, as native's reducer keeps it: no gradient arrives,
+        # its slot is reduced as unused. (Without, native and portddp refuse it alike.)
+        frozen_ok = self.find_unused_parameters
         for p, v in zip(self._params, self._views):
-            if not p.requires_grad or p.dtype != v.dtype or p.device != v.device:
+            if (not p.requires_grad and not frozen_ok) or p.dtype != v.dtype or p.device != v.device:
                 break
         else:
             if self._registrations == registrations() and not any(p.requires_grad for p in self._frozen):
                 return
         self._registrations = registrations()
         self._module_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
-        now = [p for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        planned = {id(p) for p in self._params} if frozen_ok else set()
+        now = [p for n, p in self.module.named_parameters()
+               if (p.requires_grad or id(p) in planned) and n not in self.parameters_to_ignore]
         if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
             if any(p.dtype != v.dtype or p.device != v.device for p, v in zip(self._params, self._views)):
                 self._replan()  # a dtype/device change that bypassed Module._apply (e.g. p.data = ...)
@@ -516,6 +530,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             f"{len(self._params)} then, {len(now)} now (added: {added[:5] or 'none'}, gone or replaced: "
             f"{gone[:5] or 'none'}). Finish building the model (and setting requires_grad) before wrapping it, "
             "or wrap the new model in a new DistributedDataParallel"
+            + ("; a parameter frozen after wrapping (requires_grad_(False)) is simply unused with "
+               "find_unused_parameters=True, as in native DDP" if gone and not added and not self.find_unused_parameters
+               and all(n in dict(self.module.named_parameters()) for n in gone) else "")
         )
 
     def _will_sync_buffers(self) -> bool:
@@ -755,7 +772,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         with watchdog.waiting():
             for b, fut in enumerate(self._futures):
                 result = self._check_hook_result(b, fut.wait()) if self._hook is not None else _tensor_of(fut.wait())
-                if result.data_ptr() != self._bucket_buffers[b].data_ptr():
+                # (not for an empty bucket: its data_ptr() is 0, and on c10d its result is the
+                # buffer with the used counts' tail)
+                if result.data_ptr() != self._bucket_buffers[b].data_ptr() and self._bucket_buffers[b].numel():
                     self._bucket_buffers[b].copy_(result)
                 if early_write:
                     self._write_grads([i for i in self._plan.buckets[b].params if self._seen[i]])
@@ -892,7 +911,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._issue("plan rebuild (rank 0's gradient order)")
             with watchdog.waiting():
                 self._comm.broadcast_([order], src=0)
-        self._observed_order = [i for i in order.tolist() if i >= 0]
+        self._observed_order = check_rebuild_order(order.tolist(), len(self._params), self.rank)
         self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
                                         self.first_bucket_cap_mb))
         self._rebuild_order = None
@@ -915,6 +934,28 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra
+
+
+def _bucket_view(flat: torch.Tensor, off: int, p: torch.Tensor) -> torch.Tensor:
+    """Parameter p's slot in a bucket, laid out as p is when p is dense (channels_last, say) --
+    as native's reducer makes it: autograd gives a gradient its parameter's layout, so packing
+    one is a straight copy, the bucket holds it in memory order (what a comm hook such as
+    PowerSGD reads), and with gradient_as_bucket_view .grad keeps the layout; otherwise
+    C-contiguous. (GradBucket.gradients() stays C-contiguous views of the buffer, as native's.)"""
+    piece = flat[off:off + p.numel()]
+    if p.is_contiguous() or not _dense(p):
+        return piece.view(p.shape)
+    return piece.as_strided(p.shape, p.stride())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill numel() consecutive slots, in some dim order."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _put_counts(out: torch.Tensor, flags: bytes, slots_at: int, rank: int, slot: int) -> None:

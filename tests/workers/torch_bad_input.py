@@ -174,6 +174,14 @@ def run(case: str, transport: str) -> None:
         stats = allgather_object(model[1].running_mean.tolist())
         if stats[0] != stats[-1]:
             raise AssertionError(f"BatchNorm statistics differ across ranks after .double(): {stats}")
+    elif case in ("buffer_dtype", "buffer_count"):  # the buffers rank 0 broadcasts differ on the last rank
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        if case == "buffer_dtype" and last:
+            model[1].running_var.data = model[1].running_var.data.double()
+        elif case == "buffer_count" and last:
+            model.register_buffer("extra", torch.zeros(2))
+        ddp = DistributedDataParallel(model, transport=transport)
+        ddp(torch.ones(2, 4)).sum().backward()
     elif case == "unfrozen_after_wrap":
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
         model[0].weight.requires_grad_(False)

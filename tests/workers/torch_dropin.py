@@ -508,6 +508,74 @@ def script_patterns(transport):
     compare("copies", transport, native, ours, copies, copy_refuses_backward=lambda: refused == [True])
 
 
+class EmptyFirst(nn.Module):
+    """A zero-element parameter registered before the model's (the last bucket, alone, with a
+    small cap: on c10d, the one whose all-reduce also carries the used counts)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.empty = nn.Parameter(torch.empty(0, 8))
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x + self.empty.sum())  # (its gradient comes last: the last bucket after the rebuild too)
+
+
+class ChannelsLastNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(99)
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.head = nn.Linear(8 * 4 * 4, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+def layouts_and_freezing(transport):
+    """Found by a bug hunt (2026-12-05): a zero-element parameter (c10d crashed copying the last
+    bucket's counts into it); channels_last weights under PowerSGD (the bucket must hold each
+    gradient in its parameter's memory order, as native's does, and .grad keep the layout with
+    gradient_as_bucket_view); a layer frozen mid-training with find_unused_parameters (native
+    treats it as unused; portddp refused it as a changed model)."""
+    rank = dist.get_rank()
+    # (2 KB: fc1's weight and bias fill a bucket, which the empty parameter then cannot join)
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": 2048 / 2**20}, edit=EmptyFirst)
+    compare("zero_size_param", transport, native, ours, sgd_steps(3))
+
+    def conv_steps(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(5):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(4, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+            ddp(x).square().mean().backward()
+            opt.step()
+
+    for view in (False, True):
+        models = [ChannelsLastNet().to(memory_format=torch.channels_last) for _ in range(2)]
+        native = NativeDDP(models[0], gradient_as_bucket_view=view)
+        ours = DistributedDataParallel(models[1], gradient_as_bucket_view=view, transport=transport)
+        for ddp in (native, ours):
+            ddp.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                               start_powerSGD_iter=2, min_compression_rate=0.5),
+                                   powerSGD_hook.powerSGD_hook)
+        compare(f"channels_last_powersgd{'_view' if view else ''}", transport, native, ours, conv_steps,
+                grad_as_native=lambda: models[0].conv.weight.grad.stride() == models[1].conv.weight.grad.stride())
+
+    def freeze_at_step_1(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(4):
+            if step == 1:
+                ddp.module.fc1.weight.requires_grad_(False)
+            opt.zero_grad()
+            loss_of(ddp, step, rank).backward()
+            opt.step()
+
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB, "find_unused_parameters": True})
+    compare("freeze_later_unused", transport, native, ours, freeze_at_step_1)
+
+
 def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
@@ -515,7 +583,7 @@ def uneven_effective_world(transport):
 SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
-             script_patterns]
+             script_patterns, layouts_and_freezing]
 
 
 def main():

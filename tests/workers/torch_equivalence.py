@@ -89,7 +89,7 @@ def train(wrapped, model, rank, *, micro=1, branch=False, dtype=torch.float32, s
 def max_diff(a: nn.Module, b: nn.Module) -> tuple[float, bool]:
     pa = [t.detach() for t in list(a.parameters()) + list(a.buffers())]
     pb = [t.detach() for t in list(b.parameters()) + list(b.buffers())]
-    diff = max(((x.double() - y.double()).abs().max().item() for x, y in zip(pa, pb)), default=0.0)
+    diff = max(((x.double() - y.double()).abs().max().item() for x, y in zip(pa, pb) if x.numel()), default=0.0)
     return diff, all(torch.equal(x, y) for x, y in zip(pa, pb))
 
 
