@@ -21,7 +21,7 @@ SCENARIOS = [
     "static_graph_ignored_output", "undefined_grad", "rewrap",
     "init_sync_false", "forward_sync_buffers_false", "delay_all_reduce",
     "frozen_per_rank_init", "checkpoint_last_reentrant", "static_graph_shared_checkpointed", "module_microsteps",
-    "copies", "zero_size_param", "channels_last_powersgd", "channels_last_powersgd_view", "freeze_later_unused",
+    "copies", "zero_size_param", "channels_last", "channels_last_view", "freeze_later_unused",
 ]
 
 

@@ -55,6 +55,7 @@ CASES = {
        for kind in ("hooked", "compiled")},
     "eager_here_jitted_there": r"OK same_plan=True max_rel_ok=True$",
     "eager_then_jitted_on_one_rank": r"OK same_plan=True max_rel_ok=True$",
+    "jitted_local_steps_on_one_rank": r"OK same_plan=True max_rel_ok=True$",
     "differentiate_grad_fn": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) cannot be differentiated "
                              r"\(a gradient of its gradients: MAML.*Put the inner derivative inside loss_fn",
     "pmap_under_mpirun": r"ValueError: strategy='pmap' maps over this process's devices only, but mpirun started 2 "

@@ -206,17 +206,22 @@ class DistributedDataParallel(DDPCommon):
         self._step_count = 0  # grad_fn calls (sync=False ones included), compared across ranks at every reduction
         self._traced_done = None  # the last traced synchronised step's end (see _after_previous_iteration)
         self._local_params = None  # the parameters of the last eager sync=False step, while values may differ
-        self._buffers_agreed = False  # buffer specs (and, hooked, eager vs traced) agreed across ranks: _agree_on_start
+        self._buffers_agreed = False  # buffer specs agreed across ranks (first synchronised call): _agree_on_start
         self._step_counted = False  # this eager call counted already (else its traced program counts it)
         self._layout = Layout(params, order, canonical)
-        self._mixed = canonical is not None  # a job shared with PyTorch ranks (see _agree_on_start)
+        self._mixed = False  # a job shared with PyTorch ranks (set below from the config exchange)
+        self._plan_agreed = False  # _agree_on_start ran (at the first synchronised call, or reduce())
+        self._traced_seen = False  # some grad_fn call of this rank was traced (sync=False ones included)
         specs = self._specs(params)
 
         if strategy != "pmap":  # (pmap: one process, nobody to compare with)
             mine = config.exchanged(transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})")
             # (as portddp.torch's: what changes the collectives each rank issues)
             mine["jax"] = {"broadcast_buffers": bool(broadcast_buffers)}
-            check_same_config(launch.allgather_object(mine, name="DDP construction: config check"))
+            everyone = launch.allgather_object(mine, name="DDP construction: config check")
+            check_same_config(everyone)
+            # A job shared with PyTorch ranks (their entries carry no "jax" part): see _agree_on_start
+            self._mixed = any("jax" not in e for e in everyone)
         self._comm = make_comm(strategy, pmap_devices)
         if strategy == "pmap" and (launched := launch.detect()).size > 1:
             raise ValueError(
@@ -408,6 +413,8 @@ class DistributedDataParallel(DDPCommon):
         if self._values_differ:  # the first synchronised step: the parameters the sync=False steps saw
             self._check_same_values(self._local_params, traced=False)
         self._local_params = None
+        if not self._plan_agreed:  # (before a re-plan: whether any rank's steps were traced)
+            self._agree_on_start(None, step=False)
         if self._rebuild_order is not None:
             self._rebuild()
         leaves = self._layout.leaves_of(grads)
@@ -555,6 +562,7 @@ class DistributedDataParallel(DDPCommon):
         def step(static, params, state, batch, sync: bool = True):
             self._check_parameters_unchanged(params)
             traced = taps.traced((params, state, batch))
+            self._traced_seen |= bool(traced)
             if sync and self._values_differ:
                 self._check_same_values(params, taps.traced(params))
             self._step_count += not traced  # (traced: counted when the program runs, by _begin_iteration)
@@ -573,7 +581,7 @@ class DistributedDataParallel(DDPCommon):
             if traced and sync and taps.transformation((params, state, batch)) == "jax.vmap":
                 raise ValueError(taps.UNDER_VMAP)  # (vmap of a jit: taps.host_call refuses it when batched)
             if sync and not self._buffers_agreed:
-                self._agree_on_start(state, traced)
+                self._agree_on_start(state, step=True)
             if traced and self.strategy == "hooked":
                 # Inside the caller's trace: the program is traced once, with today's plan, so the
                 # plan must not change under it -- no rebuild after this. (A rebuild pending from an
@@ -721,33 +729,38 @@ class DistributedDataParallel(DDPCommon):
         return (state is not None and self.broadcast_buffers and self.world_size > 1
                 and bool(jax.tree.leaves(state[0])))
 
-    def _agree_on_start(self, state, traced: bool) -> None:
+    def _agree_on_start(self, state, step: bool) -> None:
         """Once, at the first synchronised grad_fn call (eager, or while the caller's jit traces
-        it), before any collective of the step: one allgather that every rank takes part in,
-        whether or not it holds buffers (a rank without any would skip the buffer broadcast its
-        peers issue, and the next collectives would pair wrongly).
+        it) -- or at a ddp.reduce() before any -- ahead of the call's collectives: one allgather
+        that every rank takes part in, whether or not it holds buffers (a rank without any would
+        skip the buffer broadcast its peers issue, and the next collectives would pair wrongly).
 
         * The buffers rank 0 broadcasts (broadcast_buffers) must have the same paths, shapes and
           dtypes everywhere: XLA's broadcast of mismatched ones aborts the process, and MPI's
-          pairs a rank's Bcast with another's all-reduce.
-        * hooked: whether the call is traced. A rank inside the caller's jit never re-plans (its
-          program is traced once); a rank calling eagerly would re-plan at its next call, alone,
-          and its buckets would then sum other parameters than its peers' at equal sizes. If any
-          rank is traced, none re-plans.
+          pairs a rank's Bcast with another's all-reduce. (From a grad_fn call, `step`; reduce()
+          has no state: they are compared at the first synchronised call after it.)
+        * hooked: whether any of the rank's calls so far was traced. A rank inside the caller's
+          jit never re-plans (its program is traced once); a rank calling eagerly would re-plan
+          at its next call, alone, and its buckets would then sum other parameters than its
+          peers' at equal sizes. If any rank was traced, none re-plans.
 
-        Not in a job shared with PyTorch ranks (`canonical`), whose side has no such exchange:
-        there the Bcast names a mismatch when it fails (_sync_buffers)."""
-        self._buffers_agreed = True
-        if self.world_size == 1 or self.strategy == "pmap" or (self.strategy == "hooked" and self._mixed):
+        Not in a job shared with PyTorch ranks, whose side has no such exchange: there the Bcast
+        names a mismatch when it fails (_sync_buffers)."""
+        self._plan_agreed = True
+        self._buffers_agreed |= step
+        if self.world_size == 1 or self.strategy == "pmap" or self._mixed:
             return
-        buffers = state[0] if state is not None and self.broadcast_buffers else None
-        specs = [(jax.tree_util.keystr(path), tuple(jnp.shape(x)), str(jnp.result_type(x)))
-                 for path, x in jax.tree_util.tree_flatten_with_path(buffers)[0]]
+        specs = None  # (reduce(): not known)
+        if step:
+            buffers = state[0] if state is not None and self.broadcast_buffers else None
+            specs = [(jax.tree_util.keystr(path), tuple(jnp.shape(x)), str(jnp.result_type(x)))
+                     for path, x in jax.tree_util.tree_flatten_with_path(buffers)[0]]
         self._issue("buffer and plan check")
         with watchdog.waiting():
-            everyone = self._comm.allgather_object((specs, bool(traced)))
-        check_same_specs([e[0] for e in everyone], "model buffers (non-Param state, e.g. BatchStat) differ across "
-                         "ranks", "buffer", "buffers")
+            everyone = self._comm.allgather_object((specs, self._traced_seen))
+        if all(e[0] is not None for e in everyone):
+            check_same_specs([e[0] for e in everyone], "model buffers (non-Param state, e.g. BatchStat) differ "
+                             "across ranks", "buffer", "buffers")
         if any(e[1] for e in everyone):
             self._rebuilt, self._rebuild_order = True, None
 

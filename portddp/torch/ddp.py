@@ -393,7 +393,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             for i, off in zip(bucket.params, bucket.offsets):
                 p = self._params[i]
                 self._bucket_of[i] = b
-                self._views[i] = _bucket_view(self._bucket_buffers[b], off, p)
+                # C-contiguous, whatever p's strides (channels_last, say): the bucket's layout then
+                # depends on shapes alone, the same on every rank -- a rank whose parameter has other
+                # strides, or a JAX rank of a mixed job, packs the same element in the same slot.
+                self._views[i] = self._bucket_buffers[b][off:off + p.numel()].view(p.shape)
                 if self.gradient_as_bucket_view and p.grad is not None:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
@@ -934,28 +937,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra
-
-
-def _bucket_view(flat: torch.Tensor, off: int, p: torch.Tensor) -> torch.Tensor:
-    """Parameter p's slot in a bucket, laid out as p is when p is dense (channels_last, say) --
-    as native's reducer makes it: autograd gives a gradient its parameter's layout, so packing
-    one is a straight copy, the bucket holds it in memory order (what a comm hook such as
-    PowerSGD reads), and with gradient_as_bucket_view .grad keeps the layout; otherwise
-    C-contiguous. (GradBucket.gradients() stays C-contiguous views of the buffer, as native's.)"""
-    piece = flat[off:off + p.numel()]
-    if p.is_contiguous() or not _dense(p):
-        return piece.view(p.shape)
-    return piece.as_strided(p.shape, p.stride())
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: its elements fill numel() consecutive slots, in some dim order."""
-    expected = 1
-    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _put_counts(out: torch.Tensor, flags: bytes, slots_at: int, rank: int, slot: int) -> None:
