@@ -364,49 +364,30 @@ def buffers_on_one_rank(strategy: str):
     return "no error"
 
 
-def jitted_local_steps_on_one_rank():
-    """Legal: every step, one grad_fn(sync=False) call -- inside jax.jit on rank 1, eager on rank 0
-    -- then an eager synchronised one on both. Rank 1's traced call ends its re-planning; the
-    first synchronised call's agreement must carry it (it used to carry that call's own mode only:
-    rank 0 then re-planned alone)."""
-    params = {"a": jnp.eye(4) * 0.5 + 0.01, "b": jnp.eye(4) * 0.3 - 0.02}
-
-    def reverse_loss(p, x):
-        return jnp.mean(jnp.tanh(jnp.tanh(x @ p["b"]) @ p["a"]))
-
-    cap = 4 * 4 * 4 / 2**20
-    ddp = DistributedDataParallel(params, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
-    grad_fn = ddp.value_and_grad(reverse_loss)
-    local = jax.jit(lambda p, x: grad_fn(p, x, sync=False)) if WORLD.rank == 1 else (
-        lambda p, x: grad_fn(p, x, sync=False))
-    worst = 0.0
-    for step in range(3):
-        local(params, batch(step, 4))
-        xs = [jnp.asarray(np.random.default_rng(100 * step + r).standard_normal((3, 4)), jnp.float32) for r in range(2)]
-        want = jax.tree.map(lambda a, b: (a + b) / 2, *(jax.grad(reverse_loss)(params, x) for x in xs))
-        worst = max(worst, rel(grad_fn(params, xs[WORLD.rank])[1], want))
-    plans = get_transport().allgather_object([list(b.params) for b in ddp.bucket_plan.buckets])
-    return f"same_plan={plans[0] == plans[1]} max_rel_ok={worst < 1e-5}"
+def reverse_loss(p, x):
+    """Uses its two equal-sized parameters in the reverse of their order: a re-plan swaps them."""
+    return jnp.mean(jnp.tanh(jnp.tanh(x @ p["b"]) @ p["a"]))
 
 
-def eager_and_jitted(first_jitted_step: dict):
+def eager_and_jitted(first_jitted_step: dict | None = None, local_jitted_on: int | None = None):
     """Legal: rank 1 calls the hooked grad_fn inside jax.jit from step `first_jitted_step[1]` on,
-    rank 0 eagerly throughout; two equal-sized parameters, one per bucket, used in the reverse of
-    their order. A rank calling eagerly re-plans from the order gradients arrived in; a traced
-    program cannot: every rank must end with the same plan (rank 0 used to re-plan alone, and its
-    buckets then summed one parameter with the other's)."""
+    rank 0 eagerly throughout -- or (`local_jitted_on`) every step starts with a grad_fn(sync=False)
+    call, inside jax.jit on that rank, eager on the other, before an eager synchronised one. Two
+    equal-sized parameters, one per bucket. A rank calling eagerly re-plans from the order
+    gradients arrived in; a traced program cannot: every rank must end with the same plan (an
+    eager rank used to re-plan alone, and its buckets then summed one parameter with the other's)."""
     params = {"a": jnp.eye(4) * 0.5 + 0.01, "b": jnp.eye(4) * 0.3 - 0.02}
-
-    def reverse_loss(p, x):
-        return jnp.mean(jnp.tanh(jnp.tanh(x @ p["b"]) @ p["a"]))
-
     cap = 4 * 4 * 4 / 2**20
     ddp = DistributedDataParallel(params, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
     grad_fn = ddp.value_and_grad(reverse_loss)
     jitted = jax.jit(grad_fn)
-    start = first_jitted_step.get(WORLD.rank)
+    start = (first_jitted_step or {}).get(WORLD.rank)
+    local = jax.jit(lambda p, x: grad_fn(p, x, sync=False)) if WORLD.rank == local_jitted_on else (
+        lambda p, x: grad_fn(p, x, sync=False))
     worst = 0.0
     for step in range(3):
+        if local_jitted_on is not None:
+            local(params, batch(step, 4))
         xs = [jnp.asarray(np.random.default_rng(100 * step + r).standard_normal((3, 4)), jnp.float32) for r in range(2)]
         want = jax.tree.map(lambda a, b: (a + b) / 2, *(jax.grad(reverse_loss)(params, x) for x in xs))
         _, grads = (jitted if start is not None and step >= start else grad_fn)(params, xs[WORLD.rank])
@@ -509,7 +490,7 @@ CASES = {
     "buffers_on_one_rank_compiled": lambda: buffers_on_one_rank("compiled"),
     "eager_here_jitted_there": lambda: eager_and_jitted({1: 0}),
     "eager_then_jitted_on_one_rank": lambda: eager_and_jitted({1: 1}),
-    "jitted_local_steps_on_one_rank": jitted_local_steps_on_one_rank,
+    "jitted_local_steps_on_one_rank": lambda: eager_and_jitted(local_jitted_on=1),
     "reduce_before_any_step_hooked": lambda: reduce_before_any_step("hooked"),
     "reduce_before_any_step_compiled": lambda: reduce_before_any_step("compiled"),
     "model_grew": model_grew,
