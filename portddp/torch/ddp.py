@@ -337,9 +337,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """Compare every rank's parameter list (and, with `frozen`, its frozen parameters') with
         rank 0's; name the first difference."""
         self._issue("model check")
-        mine = [(n, tuple(p.shape), _dtype_name(p.dtype)) for n, p in self._frozen_named()] if frozen else None
-        buffers = [(n, tuple(b.shape), _dtype_name(b.dtype)) for n, b in self.module.named_buffers()
-                   if n not in self.parameters_to_ignore] if self._check_buffers else None
+        mine = _named_specs(self._frozen_named()) if frozen else None
+        buffers = _named_specs((n, b) for n, b in self.module.named_buffers()
+                               if n not in self.parameters_to_ignore) if self._check_buffers else None
         with watchdog.waiting():
             # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
             everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine, buffers])
@@ -525,7 +525,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 self._replan()  # a dtype/device change that bypassed Module._apply (e.g. p.data = ...)
                 self._check_parameters_unchanged()
             return
-        names = [n for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        named = dict(self.module.named_parameters())
+        names = [n for n, p in named.items() if p.requires_grad and n not in self.parameters_to_ignore]
         added = [n for n in names if n not in self._names]
         gone = [n for n in self._names if n not in names]
         raise RuntimeError(
@@ -535,7 +536,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             "or wrap the new model in a new DistributedDataParallel"
             + ("; a parameter frozen after wrapping (requires_grad_(False)) is simply unused with "
                "find_unused_parameters=True, as in native DDP" if gone and not added and not self.find_unused_parameters
-               and all(n in dict(self.module.named_parameters()) for n in gone) else "")
+               and all(n in named for n in gone) else "")
         )
 
     def _will_sync_buffers(self) -> bool:
@@ -937,6 +938,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra
+
+
+def _named_specs(named) -> list[tuple[str, tuple, str]]:
+    """(name, shape, dtype) of each (name, tensor): what the model check compares across ranks."""
+    return [(n, tuple(t.shape), _dtype_name(t.dtype)) for n, t in named]
 
 
 def _put_counts(out: torch.Tensor, flags: bytes, slots_at: int, rank: int, slot: int) -> None:
