@@ -10,6 +10,13 @@ inside a turn, as the benchmark does) and times every step's phases on the main 
 zero_grad, the batch, the forward (with the loss), the backward (with DDP's hooks, packs and the
 wait for the last bucket) and the optimizer step. Prints each rank's medians, wall / CPU ms: a
 phase whose wall exceeds its CPU waited (for a peer, or for a comm thread sharing the core).
+
+With --lockstep every implementation is also timed with a barrier between the backward and the
+optimizer step (rows `<name>+lockstep`, the barrier a phase of its own): a DDP backward ends on
+every rank at once, a limit's ranks drift apart, and the optimizer step -- the same code in every
+row, memory-bound -- is slower when the ranks run it at the same moment.
+
+    mpirun -bind-to user:0,1 -n 2 python -m experiments.phase_probe gelu-mlp 30 torch-local torch-mpi+view native --lockstep
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ import portddp
 from harness.adapter import make_trainer
 from harness.runner import MODELS, VIEW_OF, bench_workload
 from portddp import malloc
+from portddp.transport import get_transport
 
-PHASES = ("zero_grad", "batch", "forward", "backward", "optimizer")
+PHASES = ("zero_grad", "batch", "forward", "backward", "barrier", "optimizer")
 
 
-def timed_step(trainer) -> dict[str, tuple[float, float]]:
-    """One training step as TorchTrainer.step takes it, each phase's (wall, CPU) seconds."""
+def timed_step(trainer, barrier=None) -> dict[str, tuple[float, float]]:
+    """One training step as TorchTrainer.step takes it, each phase's (wall, CPU) seconds; with
+    `barrier` (a callable), called between the backward and the optimizer step."""
     import torch  # noqa: PLC0415
 
     out, t = {}, (time.perf_counter(), time.thread_time())
@@ -47,6 +56,9 @@ def timed_step(trainer) -> dict[str, tuple[float, float]]:
     done("forward")
     loss.backward()
     done("backward")
+    if barrier is not None:
+        barrier()
+    done("barrier")
     trainer.opt.step()
     done("optimizer")
     trainer.steps += 1
@@ -54,11 +66,14 @@ def timed_step(trainer) -> dict[str, tuple[float, float]]:
 
 
 def main(argv: list[str]) -> None:
+    lockstep = "--lockstep" in argv
+    argv = [a for a in argv if a != "--lockstep"]
     model = argv[0] if argv else "gpt"
     rounds = int(argv[1]) if len(argv) > 1 else 12
     impls = argv[2:] or ["torch-local", "torch-mpi+view", "native"]
     if model not in MODELS or any(not (i.startswith("torch") or i == "native") for i in impls):
-        raise SystemExit(f"usage: phase_probe [{'|'.join(MODELS)}] [rounds] [PyTorch implementations...]")
+        raise SystemExit(f"usage: phase_probe [{'|'.join(MODELS)}] [rounds] [PyTorch implementations...] "
+                         "[--lockstep]")
     malloc.keep_freed_memory()  # as the benchmark runs every row
     world = portddp.init()
     work = bench_workload(model)
@@ -66,21 +81,24 @@ def main(argv: list[str]) -> None:
     for trainer in trainers.values():
         for _ in range(4):
             timed_step(trainer)
-    steps = {i: [] for i in trainers}
-    order = list(trainers.items())
+    barrier = get_transport().barrier if world.size > 1 else None  # (the comm thread's, as the benchmark's)
+    order = [(i, (t, None)) for i, t in trainers.items()]
+    if lockstep:
+        order += [(f"{i}+lockstep", (t, barrier)) for i, t in trainers.items()]
+    steps = {label: [] for label, _ in order}
     for r in range(rounds):
-        for label, trainer in order[r % len(order):] + order[:r % len(order)]:
+        for label, (trainer, sync) in order[r % len(order):] + order[:r % len(order)]:
             gc.collect()
             gc.disable()
             try:
-                steps[label] += [timed_step(trainer) for _ in range(3)]
+                steps[label] += [timed_step(trainer, sync) for _ in range(3)]
             finally:
                 gc.enable()
     for label, taken in steps.items():
         total = statistics.median(sum(s[p][0] for p in PHASES) for s in taken) * 1e3
         parts = "  ".join(f"{p} {statistics.median(s[p][0] for s in taken) * 1e3:.1f} / "
                           f"{statistics.median(s[p][1] for s in taken) * 1e3:.1f}" for p in PHASES)
-        print(f"rank {world.rank} {model} {label:15s} step {total:6.1f} ms   {parts}\n", end="", flush=True)
+        print(f"rank {world.rank} {model} {label:24s} step {total:6.1f} ms   {parts}\n", end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -229,15 +229,21 @@ def test_step_profile_times_the_steps_and_writes_a_profile_per_rank(tmp_path):
 
 
 def test_phase_probe_times_each_phase_of_each_implementation_on_every_rank():
-    proc = mpi.run(2, "experiments.phase_probe", "mlp", "1", "torch-local", "torch-mpi+view", timeout=240)
+    """Each rank's line per implementation (and, with --lockstep, per implementation with a barrier
+    before its optimizer step: the barrier a phase of its own, zero in the other rows)."""
+    proc = mpi.run(2, "experiments.phase_probe", "mlp", "1", "torch-local", "torch-mpi+view", "--lockstep",
+                   timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    impls = sorted(("torch-local", "torch-mpi+view", "torch-local+lockstep", "torch-mpi+view+lockstep"))
     assert [line.split()[:4] for line in lines] == [["rank", str(r), "mlp", impl] for r in (0, 1)
-                                                    for impl in ("torch-local", "torch-mpi+view")], proc.stdout
+                                                    for impl in impls], proc.stdout
     for line in lines:
         step = float(line.split()[5])
-        walls = [float(w) for w in re.findall(r"(?:zero_grad|batch|forward|backward|optimizer) ([0-9.]+) /", line)]
-        assert len(walls) == 5 and 0 < step and max(walls) <= step, line  # (medians: each phase within the step)
+        walls = dict(re.findall(r"(zero_grad|batch|forward|backward|barrier|optimizer) ([0-9.]+) /", line))
+        assert len(walls) == 6 and 0 < step and max(map(float, walls.values())) <= step, line  # (medians)
+        if "lockstep" not in line:
+            assert float(walls["barrier"]) < 0.1, line  # no barrier: the phase is empty
 
 
 def test_phase_probe_names_its_usage_on_bad_arguments():
@@ -285,3 +291,33 @@ def test_each_ratio_carries_its_standard_error_within_the_run(bench):
     _, payload = bench  # the real run stores one per headline ratio (its single round: NaN)
     mine = payload["models"]["mlp"]
     assert {"torch_c10d_vs_native_se", "torch_best_vs_limit_se", "native_again_vs_native_se"} <= mine.keys(), mine
+
+
+def test_runs_summary_counts_the_runs_meeting_each_target(tmp_path, capsys):
+    """experiments.bench_runs: per model and ratio, the runs meeting issue 16's target, and the runs
+    meeting every one together (gpt's bounds are its own); a file that is not a bench result is refused."""
+    from experiments import bench_runs
+
+    runs = [{"gpt": {"torch_best_vs_limit": 1.04, "torch_c10d_vs_native": 1.01, "native_again_vs_native": 0.99},
+             "mlp": {"torch_best_vs_limit": 1.15}},
+            {"gpt": {"torch_best_vs_limit": 1.06, "torch_c10d_vs_native": 1.02, "native_again_vs_native": 1.01},
+             "mlp": {"torch_best_vs_limit": 1.19}},
+            {"gpt": {"torch_best_vs_limit": 1.03, "torch_c10d_vs_native": 1.04},
+             "mlp": {"torch_best_vs_limit": 1.10}}]
+    paths = []
+    for i, models in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps({"experiment": "bench", "models": models}))
+    summary = bench_runs.main([str(p) for p in paths])
+    rows = {(r["model"], r["ratio"]): r for r in summary["rows"]}
+    best = rows[("gpt", "torch_best_vs_limit")]
+    assert best["target"] == 1.05 and best["met"] == 2 and best["mean"] == pytest.approx(1.0433333)
+    assert rows[("mlp", "torch_best_vs_limit")]["target"] == 1.20 and rows[("mlp", "torch_best_vs_limit")]["met"] == 3
+    assert rows[("gpt", "torch_c10d_vs_native")]["met"] == 2
+    assert rows[("gpt", "native_again_vs_native")]["values"] == [0.99, 1.01, None]  # no target: not counted
+    assert summary["met_all"] == 1  # run 1 misses gpt's 1.05, run 2 c10d's 1.03
+    assert "every target met together in 1 of 3 run(s)" in capsys.readouterr().out
+    other = tmp_path / "overlap.json"
+    other.write_text(json.dumps({"experiment": "overlap"}))
+    with pytest.raises(SystemExit, match="not an experiments.bench result"):
+        bench_runs.main([str(other)])
