@@ -27,6 +27,7 @@ PAPER_OVERLAP = {  # DDP paper (arXiv:2006.15704) §5.1: speedup from overlappin
 EXPERIMENTS = ("bench", "overlap", "bucket_sweep", "no_sync", "compression", "scaling", "bandwidth",
                "simulate_validate")
 HOP_ASSUMED_S = 10e-6  # what-if curves: the latency of one ring step (not measurable with 2 hosts)
+_EQUIVALENCE_OUT = "results/equivalence"  # comparisons.equivalence's default --out (its commands omit it)
 COLORS = {"native": "#1f77b4", "torch-c10d": "#ff7f0e", "torch-mpi": "#2ca02c", "jax-hooked": "#d62728",
           "jax-compiled": "#9467bd", "torch-local": "#8c564b", "jax-local": "#7f7f7f"}
 
@@ -526,6 +527,9 @@ def equivalence_section(results: list[dict]) -> str:
 
 def build(results: Path, out: Path) -> Path:
     found, equivalence, problems = load(results)
+    if not (found or equivalence):  # (before making `out`: no empty report folder left behind)
+        skipped = "".join(f"\n  skipped {p}" for p in problems)
+        raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
     out.mkdir(parents=True, exist_ok=True)
     sections: list[tuple[str, str, Path | None]] = []
     if equivalence:
@@ -582,7 +586,9 @@ def build(results: Path, out: Path) -> Path:
     commands = sorted({p.get("command", "?") for ps in found.values() for p in ps})
     commands += sorted({f"mpirun -n {r['world']['size']} python -m comparisons.equivalence --model "
                         f"{r['config']['model']} --dtype {r['config']['dtype']} --optimizer {r['config']['optimizer']}"
-                        f" --steps {r['config']['steps']}" for r in equivalence})
+                        f" --steps {r['config']['steps']}"
+                        + (f" --out {r['config']['out']}" if r["config"].get("out", _EQUIVALENCE_OUT)
+                           != _EQUIVALENCE_OUT else "") for r in equivalence})
     if commands:
         head += "\nCommands:\n\n" + "\n".join(f"    {c}" for c in commands) + "\n"
     if problems:
@@ -628,8 +634,9 @@ def to_html(head: str, sections) -> str:
     return f"<!doctype html><meta charset=utf-8><title>portddp report</title><style>{style}</style>" + "\n".join(body)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str | None = None) -> int:
+    """`python -m comparisons.report` (or `portddp report`, which passes its own name as `prog`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results", help="directory with the result JSON")
     parser.add_argument("--out", default="reports/latest", help="where report.md, report.html and PNGs go")
     args = parser.parse_args(argv)

@@ -17,8 +17,11 @@ __all__ = ["run_overlap", "matched_rate"]
 
 
 def run_overlap(n: int, hosts: int, link: str, out_dir: str, extra: list[str]) -> dict:
-    """One `overlap` experiment on a fresh cluster; its result JSON."""
-    code = cluster.run(n, hosts, link, [sys.executable, "-m", "experiments.overlap", "--out-dir", out_dir, *extra])
+    """One `overlap` experiment on a fresh cluster; its result JSON. `out_dir` is where it goes,
+    whatever `extra` says: the script's own arguments may hold an --out-dir of their own, and
+    the calibration must neither write into the user's results nor look for its JSON there
+    (argparse keeps an option's last value: ours comes last)."""
+    code = cluster.run(n, hosts, link, [sys.executable, "-m", "experiments.overlap", *extra, "--out-dir", out_dir])
     if code != 0:
         raise SystemExit(f"the overlap experiment failed on a {hosts}-host cluster at {link} (exit {code})")
     return json.loads((Path(out_dir) / f"overlap-n{n}-h{hosts}-{link}.json").read_text())

@@ -54,8 +54,10 @@ def binding(n: int, bind: str = "cores", mpirun: str | None = None) -> list[str]
     Unbound, the OS moves each rank's threads (compute, comm thread, Gloo's) across all
     cores, and on a machine whose cores all compute one rank's comm thread preempts the
     other rank's backward pass: on 2 cores, torch MPI with gradient_as_bucket_view went
-    from 1.22-1.29 to 1.14-1.23 x its limit bound (README, Performance). Open MPI binds
+    from 1.22-1.29 to 1.14-1.23 x its limit bound (docs/performance-log.md). Open MPI binds
     small jobs to cores by default; MPICH's mpirun does not."""
+    if n < 1:
+        raise ValueError(f"n={n} ranks: pass 1 or more")
     if bind == "none" or not hasattr(os, "sched_getaffinity") or not _is_hydra(mpirun):
         return []
     cores = _physical_cores(os.sched_getaffinity(0))
@@ -120,28 +122,48 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
     return subprocess.call(cmd)
 
 
+def _check(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Refuse the options run, compare and mixed cannot honour, in one line naming the value and the
+    fix (through `p`, the subcommand's parser), before mpirun or any namespace is started."""
+    if ns.hosts is None:
+        if ns.ranks < 1:
+            p.error(f"-n {ns.ranks}: a job needs at least one rank: pass -n 1 or more")
+        if ns.link is not None:
+            p.error(f"--link {ns.link} applies only to an emulated cluster: add --hosts H (e.g. --hosts 2), or "
+                    "drop --link")
+        return
+    from portddp import cluster  # noqa: PLC0415
+
+    try:  # (-n too: at least one rank per host)
+        cluster.check_job(ns.ranks, ns.hosts, None if ns.link in (None, "matched") else ns.link)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="portddp", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run an experiment under mpirun")
     run.add_argument("experiment", choices=EXPERIMENTS)
-    for p in (run, sub.add_parser("compare", help="the equivalence harness under mpirun"),
-              sub.add_parser("mixed", help="the mixed PyTorch + JAX job under mpirun")):
-        p.add_argument("-n", "--ranks", type=int, default=2, help="number of ranks (mpirun -n); "
+    jobs = {"run": run, "compare": sub.add_parser("compare", help="the equivalence harness under mpirun"),
+            "mixed": sub.add_parser("mixed", help="the mixed PyTorch + JAX job under mpirun")}
+    for p in jobs.values():
+        p.add_argument("-n", "--ranks", type=int, default=2, help="number of ranks (mpirun -n), 1 or more; "
                        "every other argument is passed on (see the module's --help)")
         p.add_argument("--hosts", type=int, default=None, help="run on an emulated cluster of this many hosts "
-                       "(network namespaces; needs root), ranks spread evenly")
-        p.add_argument("--link", default="1gbit", help="with --hosts: each host's link rate per direction, or "
-                       "'matched': the rate at which the gradients' wire time equals the backward compute time "
-                       "(measured first)")
+                       "(network namespaces; needs root), ranks spread evenly: -n a multiple of it")
+        # Default None, not 1gbit: a --link without --hosts is refused rather than silently ignored.
+        p.add_argument("--link", default=None, help="with --hosts: each host's link rate per direction, with "
+                       "its unit (default 1gbit; 500mbit, 2.5gbit; 0 or unlimited: no shaping), or 'matched': the "
+                       "rate at which the gradients' wire time equals the backward compute time (measured first)")
         p.add_argument("--or-loopback", action="store_true", help="with --hosts: where no cluster can be made, "
                        "run on this machine instead (the results say why)")
         p.add_argument("--bind", choices=("cores", "none"), default="cores",
                        help="without --hosts: 'cores' (default) binds each rank to its own share of the "
                        "physical cores (MPICH's mpirun -bind-to user:CPU lists) when the ranks fit; 'none' "
                        "leaves placement to the OS")
-    sub.add_parser("report", help="build the report from result JSON (--results DIR --out DIR)")
+    sub.add_parser("report", help="build the report from result JSON (--results DIR --out DIR)", add_help=False)
     sub.add_parser("simulate", help="predict an iteration at another scale from a measured one (RESULT.json "
                    "--world N --link RATE --bucket-cap MB ...)", add_help=False)
     sub.add_parser("cluster", help="run a command as an MPI job on an emulated cluster (-n N --hosts H "
@@ -156,16 +178,17 @@ def main(argv=None) -> int:
         from portddp import cluster  # noqa: PLC0415
 
         return cluster.main(argv[1:])
+    if argv[:1] == ["report"]:  # forwarded whole: `portddp report --help` shows the report's own options
+        _checkout()
+        return importlib.import_module("comparisons.report").main([a for a in argv[1:] if a != "--"],
+                                                                  prog="portddp report")
     ns, extra = parser.parse_known_args(argv)
     args = [a for a in extra if a != "--"]
+    _check(jobs[ns.command], ns)
     _checkout()
-    if ns.command == "run":
-        return _mpirun(ns.ranks, f"experiments.{ns.experiment}", args, ns.hosts, ns.link, ns.or_loopback, ns.bind)
-    if ns.command == "compare":
-        return _mpirun(ns.ranks, "comparisons.equivalence", args, ns.hosts, ns.link, bind=ns.bind)
-    if ns.command == "mixed":
-        return _mpirun(ns.ranks, "comparisons.mixed", args, ns.hosts, ns.link, bind=ns.bind)
-    return importlib.import_module("comparisons.report").main(args)
+    module = {"run": f"experiments.{getattr(ns, 'experiment', '')}", "compare": "comparisons.equivalence",
+              "mixed": "comparisons.mixed"}[ns.command]
+    return _mpirun(ns.ranks, module, args, ns.hosts, ns.link or "1gbit", ns.or_loopback, ns.bind)
 
 
 if __name__ == "__main__":

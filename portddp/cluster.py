@@ -25,7 +25,9 @@ shaped links. `GLOO_SOCKET_IFNAME=eth0` pins Gloo's interface as well.
 Cleanup: everything is removed when the job ends -- normally, on an error, on
 Ctrl-C or SIGTERM. If the launcher itself is killed (`kill -9`), the next
 start finds the namespaces and links of jobs whose launcher is gone (by their
-`pddp<pid>` prefix), kills what still runs inside them and removes them.
+`pddp<pid>` prefix), kills what still runs inside them and removes them, and
+their launcher directories (`portddp-cluster-<pid>-*` in the temporary
+directory, holding hydra's `to-host` script) too.
 Needs root (creating network namespaces); without it, a clear error says so.
 """
 
@@ -48,25 +50,51 @@ from pathlib import Path
 
 from portddp.watchdog import pid_alive
 
-__all__ = ["Cluster", "parse_rate", "interface_bytes", "run", "cleanup_stale", "PREFIX"]
+__all__ = ["Cluster", "parse_rate", "check_job", "interface_bytes", "run", "cleanup_stale", "PREFIX"]
 
 PREFIX = "pddp"
 """Every namespace and link of a job is named pddp<launcher pid>...: stale ones are found by it."""
 IFACE = "eth0"
 SUBNET = "10.213.{job}.{host}"
 NETNS_ETC = Path("/etc/netns")
+MAX_HOSTS = 250
+"""One /24 per job: host addresses .1 to .250."""
+LAUNCHER_DIR = "portddp-cluster-"
+"""A job's launcher directory (hydra's `to-host`) is <tempdir>/portddp-cluster-<launcher pid>-XXXXXXXX: stale
+ones are found by it."""
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 def parse_rate(rate: str) -> float | None:
-    """'1gbit' -> 1e9 bits/s, '500mbit', '2.5gbit', 'unlimited' -> None (no shaping)."""
+    """'1gbit' -> 1e9 bits/s, '500mbit', '2.5gbit', 'unlimited' or '0' -> None (no shaping).
+
+    A bare number other than 0 is refused: read as bits/s (tc's meaning), `--link 1000` would
+    shape every host to 1 kbit/s, which nobody means."""
     text = str(rate).strip().lower()
     if text in ("unlimited", "none", "inf", "0"):
         return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bit|bps|b)?(?:/s)?", text)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps|b)?(?:/s)?", text)
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"link rate {rate!r} not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited")
+    if not m.group(2) and not m.group(3):
+        raise ValueError(f"link rate {rate!r} has no unit: write one, e.g. 1000mbit or 1gbit ({m.group(1)}bit if "
+                         f"you do mean {m.group(1)} bits/s); 0 or unlimited: no shaping")
     return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def check_job(n: int, hosts: int, link: str | None = None) -> None:
+    """Refuse, with a ValueError naming the value and the fix, a job no cluster can run: called
+    before anything is made, so that a typo costs no namespaces (and no traceback from main).
+    `link` None: not checked (e.g. 'matched', a rate measured later)."""
+    if not 1 <= hosts <= MAX_HOSTS:
+        raise ValueError(f"--hosts {hosts}: pass 1 to {MAX_HOSTS} emulated hosts")
+    if n < 1:
+        raise ValueError(f"-n {n}: a job needs at least one rank per host: pass a multiple of {hosts} "
+                         f"(-n {hosts}, {2 * hosts}, ...)")
+    if n % hosts:
+        raise ValueError(f"-n {n} ranks do not spread evenly over {hosts} hosts: pass a multiple of {hosts}")
+    if link is not None:
+        parse_rate(link)
 
 
 def _tc_rate(bits_per_s: float) -> str:
@@ -118,7 +146,8 @@ def unavailable() -> str | None:
 
 
 def cleanup_stale() -> list[str]:
-    """Remove the namespaces, links and /etc/netns entries of jobs whose launcher is gone; return them."""
+    """Remove the namespaces, links, /etc/netns entries and launcher directories of jobs whose
+    launcher is gone; return them (names, and the directories' paths)."""
     removed = []
     names = _run("ip", "netns", "list", check=False).stdout.split()
     links = re.findall(rf"^\d+: ({PREFIX}\d+[a-z]\d*)[@:]", _run("ip", "-o", "link", "show", check=False).stdout,
@@ -134,6 +163,30 @@ def cleanup_stale() -> list[str]:
         else:
             _run("ip", "link", "del", name, check=False)
         removed.append(name)
+    return removed + _cleanup_stale_dirs()
+
+
+def _cleanup_stale_dirs() -> list[str]:
+    """The launcher directories (<tempdir>/portddp-cluster-*) of jobs whose launcher is gone, removed.
+
+    Its owner is the pid in its name; a directory made before the name carried it (a random suffix
+    only) is attributed by the namespaces its `to-host` script enters (pddp<pid>h...). One whose
+    owner cannot be told is left alone, as is every one whose owner still runs, and (in a shared /tmp)
+    every one another user made."""
+    removed = []
+    for path in sorted(Path(tempfile.gettempdir()).glob(LAUNCHER_DIR + "*")):
+        if path.is_symlink() or not path.is_dir() or path.lstat().st_uid != os.geteuid():
+            continue
+        m = re.match(rf"{re.escape(LAUNCHER_DIR)}(\d+)-", path.name)
+        if m is None:
+            try:
+                m = re.search(rf"\b{PREFIX}(\d+)h\d", (path / "to-host").read_text())
+            except (OSError, UnicodeDecodeError):
+                m = None
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
     return removed
 
 
@@ -153,8 +206,8 @@ class Cluster:
     mtu: int = int(os.environ.get("PORTDDP_CLUSTER_MTU", 1500))
 
     def __post_init__(self):
-        if self.hosts < 1 or self.hosts > 250:
-            raise ValueError(f"hosts={self.hosts}: pass 1 to 250 emulated hosts")
+        if self.hosts < 1 or self.hosts > MAX_HOSTS:
+            raise ValueError(f"hosts={self.hosts}: pass 1 to {MAX_HOSTS} emulated hosts")
         self.rate = parse_rate(self.link)
         self.names = [f"{PREFIX}{self.job}h{h}" for h in range(self.hosts)]
         self.hostnames = [f"h{h}" for h in range(self.hosts)]
@@ -240,9 +293,7 @@ class Cluster:
 
     def mpirun(self, n: int, command: Sequence[str], launcher_dir: str) -> list[str]:
         """The command line that runs `command` as n ranks, n/H per host, from host 0."""
-        if n % self.hosts:
-            raise ValueError(f"-n {n} ranks do not spread evenly over {self.hosts} hosts: pass a multiple of "
-                             f"{self.hosts}")
+        check_job(n, self.hosts)
         ssh = Path(launcher_dir) / "to-host"
         # hydra calls: to-host [options] HOST COMMAND...; HOST is h<i>.
         cases = "\n".join(f"  {h}) set -- {shlex.join(self.exec_prefix(i))} ;;"
@@ -290,7 +341,9 @@ def _interrupt(*_):
 
 def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = False) -> int:
     """Create the cluster, run `command` on it as an n-rank MPI job, remove everything; the job's exit code.
-    SIGTERM is handled like Ctrl-C: the job is stopped and the cluster removed."""
+    SIGTERM is handled like Ctrl-C: the job is stopped and the cluster removed. A job no cluster can
+    run (check_job) raises ValueError before anything is made."""
+    check_job(n, hosts, link)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return _run_job(n, hosts, link, command, quiet)
@@ -300,7 +353,8 @@ def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = Fal
 
 def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool) -> int:
     say = (lambda *a: None) if quiet else (lambda msg: print(f"portddp cluster: {msg}", file=sys.stderr, flush=True))
-    with tempfile.TemporaryDirectory(prefix="portddp-cluster-") as tmp, Cluster(hosts, link) as cluster:
+    # The launcher's pid in the directory's name: after a kill -9, the next start removes it (cleanup_stale).
+    with tempfile.TemporaryDirectory(prefix=f"{LAUNCHER_DIR}{os.getpid()}-") as tmp, Cluster(hosts, link) as cluster:
         say(f"{hosts} host(s) {', '.join(f'{h}={a}' for h, a in zip(cluster.hostnames, cluster.addresses))}, "
             f"link {link} per direction, {n // hosts} rank(s) per host (set up in {cluster.setup_s:.2f} s)")
         before = cluster.interface_bytes()
@@ -329,10 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(prog="portddp cluster", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--ranks", type=int, default=2, help="MPI ranks in all")
-    parser.add_argument("--hosts", type=int, default=2, help="emulated hosts (ranks spread evenly)")
-    parser.add_argument("--link", default="1gbit", help="each host's link rate per direction (1gbit, 500mbit, "
-                        "unlimited)")
+    parser.add_argument("-n", "--ranks", type=int, default=2, help="MPI ranks in all (a multiple of --hosts)")
+    parser.add_argument("--hosts", type=int, default=2, help=f"emulated hosts, 1 to {MAX_HOSTS} (ranks spread "
+                        "evenly)")
+    parser.add_argument("--link", default="1gbit", help="each host's link rate per direction, with its unit "
+                        "(1gbit, 500mbit, 2.5gbit); 0 or unlimited: no shaping")
     parser.add_argument("--check", action="store_true", help="only say whether a cluster can be made here")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs (after --)")
     ns = parser.parse_args(argv)
@@ -343,6 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
         parser.error("give the command to run, e.g. -- python -m experiments.overlap")
+    try:
+        check_job(ns.ranks, ns.hosts, ns.link)
+    except ValueError as e:  # one line naming the value and the fix, before any namespace is made
+        parser.error(str(e))
     try:
         return run(ns.ranks, ns.hosts, ns.link, command)
     except KeyboardInterrupt:

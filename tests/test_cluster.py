@@ -35,6 +35,82 @@ def test_parse_rate_refuses_nonsense_naming_it(text):
         cluster.parse_rate(text)
 
 
+@pytest.mark.parametrize("text", ["1000", "1000/s", "2.5", " 10 "])
+def test_parse_rate_refuses_a_bare_number_asking_for_a_unit(text):
+    """A bare number would be bits/s: `--link 1000` would shape to 1 kbit/s. Refused, naming it and the fix."""
+    with pytest.raises(ValueError, match=rf"link rate {text!r} has no unit: write one, e.g. 1000mbit or 1gbit"):
+        cluster.parse_rate(text)
+
+
+@pytest.mark.parametrize("text,bps", [("0", None), ("1000bit", 1e3), ("1000kbit", 1e6), ("1g", 1e9)])
+def test_parse_rate_zero_is_unlimited_and_units_are_taken(text, bps):
+    assert cluster.parse_rate(text) == bps
+
+
+@pytest.fixture
+def nothing_made(monkeypatch):
+    """Fail the test at the first `ip`/`tc` command (a namespace, link or probe), directory or mpirun."""
+    def made(*cmd, **_):
+        raise AssertionError(f"something was made or started: {cmd}")
+
+    monkeypatch.setattr(cluster, "_run", made)
+    monkeypatch.setattr(cluster.subprocess, "Popen", made)
+    monkeypatch.setattr(cluster.tempfile, "TemporaryDirectory", made)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-n", "3", "--hosts", "2"], "-n 3 ranks do not spread evenly over 2 hosts: pass a multiple of 2"),
+    (["--link", "fast"], "link rate 'fast' not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited"),
+    (["--link", "1000"], "link rate '1000' has no unit: write one, e.g. 1000mbit or 1gbit (1000bit if you do mean "
+                         "1000 bits/s); 0 or unlimited: no shaping"),
+    (["--hosts", "0"], "--hosts 0: pass 1 to 250 emulated hosts"),
+    (["--hosts", "251", "-n", "251"], "--hosts 251: pass 1 to 250 emulated hosts"),
+    (["-n", "0", "--hosts", "1"], "-n 0: a job needs at least one rank per host: pass a multiple of 1 (-n 1, 2, ...)"),
+    (["-n", "-2", "--hosts", "2"], "-n -2: a job needs at least one rank per host: pass a multiple of 2 (-n 2, 4, "
+                                   "...)"),
+])
+def test_main_refuses_a_job_it_cannot_run_in_one_line_before_making_anything(argv, message, nothing_made, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cluster.main([*argv, "--", "python", "-c", "pass"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.endswith(f"portddp cluster: error: {message}\n"), err
+    assert "Traceback" not in err
+
+
+def test_run_refuses_uneven_ranks_before_making_anything(nothing_made):
+    """The API (harness.calibrate, experiments.simulate_validate) as well: no cluster made, then refused."""
+    with pytest.raises(ValueError, match="-n 3 ranks do not spread evenly over 2 hosts: pass a multiple of 2"):
+        cluster.run(3, 2, "1gbit", ["true"], quiet=True)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_launcher_directories_go_and_live_ones_stay(tmp_path, monkeypatch):
+    """A launcher directory whose launcher is gone is removed (its pid in its name, or for one made before
+    the name carried it, in its to-host script); a live launcher's, or one whose owner is unknown, stays."""
+    monkeypatch.setattr(cluster.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cluster, "_run", lambda *cmd, **_: subprocess.CompletedProcess(cmd, 0, "", ""))  # no netns
+    dead, alive = _dead_pid(), os.getpid()
+    dirs = {name: tmp_path / name for name in (f"portddp-cluster-{dead}-ab1_cd2e", f"portddp-cluster-{alive}-xyz0abc1",
+                                               "portddp-cluster-old0dead", "portddp-cluster-old0live",
+                                               "portddp-cluster-unknown1", "portddp-calibrate-x1y2z3w4")}
+    for d in dirs.values():
+        d.mkdir()
+    for name, pid in ((f"portddp-cluster-{dead}-ab1_cd2e", dead), ("portddp-cluster-old0dead", dead),
+                      ("portddp-cluster-old0live", alive)):
+        (dirs[name] / "to-host").write_text(f"  h0) set -- ip netns exec pddp{pid}h0 unshare --uts sh -c ;;\n")
+    (tmp_path / f"portddp-cluster-{dead}-file0000").write_text("not a directory")
+    removed = cluster.cleanup_stale()
+    gone = {f"portddp-cluster-{dead}-ab1_cd2e", "portddp-cluster-old0dead"}
+    assert sorted(removed) == sorted(str(dirs[n]) for n in gone), removed
+    assert {p.name for p in tmp_path.iterdir()} == set(dirs) - gone | {f"portddp-cluster-{dead}-file0000"}
+
+
 def _ours() -> set[str]:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
@@ -102,6 +178,20 @@ def test_every_implementation_crosses_the_link(tmp_path):
 
 
 @needs_cluster
+def test_matched_link_calibrates_apart_from_the_users_out_dir(tmp_path):
+    """--link matched first calibrates on an unshaped link, with the user's own arguments: an --out-dir
+    among them must not catch the calibration's JSON (it crashed looking for it, and left it in the
+    user's results for the report to pick up)."""
+    proc = mpi.run(None, "portddp.cli", "run", "overlap", "-n", "2", "--hosts", "2", "--link", "matched", "--",
+                   "--width", "256", "--depth", "2", "--rounds", "1", "--steps-per-round", "2", "--warmup", "1",
+                   "--impls", "torch-c10d", "--out-dir", str(tmp_path), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "calibration: backward compute" in proc.stdout
+    results = sorted(p.name for p in tmp_path.glob("overlap-*.json") if not p.name.endswith(".trace.json"))
+    assert len(results) == 1 and results[0].startswith("overlap-n2-h2-") and results[0].endswith("mbit.json"), results
+
+
+@needs_cluster
 def test_equivalence_on_two_hosts(tmp_path):
     """Every implementation trains the same on the cluster as on one machine (the harness's own bound)."""
     proc = mpi.run(None, "portddp.cli", "compare", "-n", "2", "--hosts", "2", "--link", "1gbit", "--",
@@ -113,8 +203,8 @@ def test_equivalence_on_two_hosts(tmp_path):
 
 @needs_cluster
 def test_a_killed_launcher_leaves_nothing_after_the_next_start():
-    """kill -9 of `portddp cluster` while its job runs: the next start removes its namespaces, links and
-    the processes still inside them."""
+    """kill -9 of `portddp cluster` while its job runs: the next start removes its namespaces, links,
+    the processes still inside them and its launcher directory (hydra's to-host)."""
     launcher = subprocess.Popen([sys.executable, "-m", "portddp.cluster", "-n", "2", "--hosts", "2", "--",
                                  "sleep", "60"], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -128,9 +218,12 @@ def test_a_killed_launcher_leaves_nothing_after_the_next_start():
     launcher.wait()
     stale = {n for n in _ours() if str(launcher.pid) in n}
     assert stale, "nothing to clean up? (the test did not catch the cluster alive)"
+    launcher_dirs = {str(p) for p in Path(tempfile.gettempdir()).glob(f"portddp-cluster-{launcher.pid}-*")}
+    assert launcher_dirs and all(Path(p, "to-host").is_file() for p in launcher_dirs), launcher_dirs
     removed = cluster.cleanup_stale()
-    assert stale <= set(removed), (stale, removed)
+    assert stale | launcher_dirs <= set(removed), (stale, launcher_dirs, removed)
     assert not {n for n in _ours() if str(launcher.pid) in n}
+    assert not [p for p in launcher_dirs if os.path.exists(p)], launcher_dirs
     from portddp.watchdog import pid_alive  # noqa: PLC0415 -- a zombie (dead, not yet reaped) counts as gone
 
     time.sleep(0.5)

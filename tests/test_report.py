@@ -69,6 +69,7 @@ def test_report_names_foreign_and_missing_results(tmp_path):
     assert proc.returncode != 0
     assert "no results under" in proc.stderr
     assert "overlap-n2.json: written by portddp 0.0.1" in proc.stderr and "broken.json: unreadable" in proc.stderr
+    assert not (tmp_path / "rep").exists()  # no empty report folder left behind
 
 
 def test_experiment_asks_for_more_ranks_than_launched():

@@ -1,0 +1,115 @@
+"""`portddp` (portddp/cli.py): arguments it cannot honour are refused in one line naming the value
+and the fix, before mpirun or any namespace starts; options are passed on by every subcommand.
+
+In-process calls of cli.main with mpirun, the cluster and its probe replaced: no root needed."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from portddp import cli, cluster
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """What cli.main would have launched (mpirun's command lines, cluster.main's arguments); fails the test
+    at any `ip`/`tc` command (a namespace, link or the availability probe). The environment and path
+    cli.main changes are put back afterwards."""
+    calls = []
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PORTDDP_MPIRUN_BIND", "")
+    monkeypatch.setenv("PORTDDP_CLUSTER_UNAVAILABLE", "")
+
+    def made(*cmd, **_):
+        raise AssertionError(f"something was made: {cmd}")
+
+    monkeypatch.setattr(cluster, "_run", made)
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(("mpirun", cmd)) or 0)
+    monkeypatch.setattr(cli, "binding", lambda n, bind, mpirun: [])
+    monkeypatch.setattr(cluster, "main", lambda argv: calls.append(("cluster", argv)) or 0)
+    return calls
+
+
+_USAGE_ERRORS = [
+    (["run", "overlap", "-n", "0"], "portddp run: error: -n 0: a job needs at least one rank: pass -n 1 or more"),
+    (["run", "overlap", "-n", "-1"], "portddp run: error: -n -1: a job needs at least one rank: pass -n 1 or more"),
+    (["compare", "-n", "0"], "portddp compare: error: -n 0: a job needs at least one rank: pass -n 1 or more"),
+    (["mixed", "-n", "-3"], "portddp mixed: error: -n -3: a job needs at least one rank: pass -n 1 or more"),
+    (["run", "overlap", "-n", "0", "--hosts", "2"],
+     "portddp run: error: -n 0: a job needs at least one rank per host: pass a multiple of 2 (-n 2, 4, ...)"),
+    (["run", "overlap", "-n", "3", "--hosts", "2"],
+     "portddp run: error: -n 3 ranks do not spread evenly over 2 hosts: pass a multiple of 2"),
+    (["compare", "--hosts", "0"], "portddp compare: error: --hosts 0: pass 1 to 250 emulated hosts"),
+    (["mixed", "--hosts", "-1"], "portddp mixed: error: --hosts -1: pass 1 to 250 emulated hosts"),
+    (["run", "overlap", "--link", "500mbit"], "portddp run: error: --link 500mbit applies only to an emulated "
+                                              "cluster: add --hosts H (e.g. --hosts 2), or drop --link"),
+    (["compare", "--link", "matched"], "portddp compare: error: --link matched applies only to an emulated "
+                                       "cluster: add --hosts H (e.g. --hosts 2), or drop --link"),
+    (["run", "overlap", "--hosts", "2", "--link", "1000"],
+     "portddp run: error: link rate '1000' has no unit: write one, e.g. 1000mbit or 1gbit (1000bit if you do "
+     "mean 1000 bits/s); 0 or unlimited: no shaping"),
+    (["mixed", "-n", "2", "--hosts", "2", "--link", "fast"],
+     "portddp mixed: error: link rate 'fast' not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited"),
+]
+
+
+@pytest.mark.parametrize("argv,message", _USAGE_ERRORS)
+def test_refused_in_one_line_before_anything_starts(argv, message, launched, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    assert err.endswith(message + "\n"), err
+    assert "Traceback" not in err and launched == []
+
+
+def test_binding_refuses_no_ranks():
+    """(cli.main refuses -n 0 first; binding itself said ZeroDivisionError.)"""
+    with pytest.raises(ValueError, match="n=0 ranks: pass 1 or more"):
+        cli.binding(0, "cores", sys.executable)
+
+
+@pytest.mark.parametrize("command,module,extra", [(["compare"], "comparisons.equivalence", ["--model", "mlp"]),
+                                                 (["mixed"], "comparisons.mixed", []),
+                                                 (["run", "overlap"], "experiments.overlap", ["--batch", "8"])])
+def test_or_loopback_runs_every_subcommand_on_this_machine(command, module, extra, launched, monkeypatch, capsys):
+    """Where no cluster can be made, --or-loopback runs on loopback (and says why) for run, compare and
+    mixed alike; without it each refuses."""
+    monkeypatch.setattr(cluster, "unavailable", lambda: "not root (test)")
+    with pytest.raises(SystemExit, match="portddp: no emulated cluster here: not root"):
+        cli.main([*command, "-n", "2", "--hosts", "2", "--", *extra])
+    assert launched == []
+    assert cli.main([*command, "-n", "2", "--hosts", "2", "--link", "500mbit", "--or-loopback", "--", *extra]) == 0
+    assert "no emulated cluster here (not root (test)): running on this machine's loopback" in capsys.readouterr().out
+    assert os.environ["PORTDDP_CLUSTER_UNAVAILABLE"] == "not root (test)"
+    [(what, cmd)] = launched
+    assert what == "mpirun" and cmd[cmd.index("-n"):cmd.index("-n") + 2] == ["-n", "2"], cmd
+    assert cmd[cmd.index("-m") + 1:] == [module, *extra], cmd
+
+
+def test_hosts_go_to_the_cluster_with_the_default_link(launched, monkeypatch):
+    monkeypatch.setattr(cluster, "unavailable", lambda: None)
+    assert cli.main(["compare", "-n", "4", "--hosts", "2", "--", "--model", "mlp"]) == 0
+    assert cli.main(["mixed", "-n", "2", "--hosts", "2", "--link", "0"]) == 0  # 0: unlimited (no shaping)
+    (_, first), (_, second) = launched
+    assert first == ["-n", "4", "--hosts", "2", "--link", "1gbit", "--", sys.executable, "-m",
+                     "comparisons.equivalence", "--model", "mlp"], first
+    assert second[:6] == ["-n", "2", "--hosts", "2", "--link", "0"], second
+
+
+def test_report_help_shows_the_reports_own_options(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["report", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert out.startswith("usage: portddp report [-h] [--results RESULTS] [--out OUT]"), out
+    assert "--results RESULTS" in out and "--out OUT" in out
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--bogus"])
+    assert "portddp report: error: unrecognized arguments: --bogus" in capsys.readouterr().err
