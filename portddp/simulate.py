@@ -39,6 +39,8 @@ import dataclasses
 import math
 import re
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -335,43 +337,158 @@ def _buckets(trace: Trace, cap_mb: float | None, first_mb: float | None) -> tupl
     return ready, [b.nbytes for b in plan.buckets]
 
 
-def main(argv=None) -> int:
-    """`portddp simulate RESULT.json --world 64 --link 10gbit --bucket-cap 4`."""
-    import argparse  # noqa: PLC0415
+_RESULT_FIX = ("pass the result JSON of the overlap experiment on the emulated cluster: `portddp run overlap -n 2 "
+               "--hosts 2 --link matched` writes results/overlap-n2-h2-<rate>mbit.json")
+
+
+def _refuse(what: str, fix: str) -> NoReturn:
+    """End the command with one line: what is wrong (naming the value) and what to do instead."""
+    raise SystemExit(f"portddp simulate: {what} -- {fix}")
+
+
+def _result_fix(near: Path) -> str:
+    """_RESULT_FIX, naming the overlap results that lie in `near` (a directory) if there are any."""
+    found = sorted(str(p) for p in near.glob("overlap-*.json") if not p.name.endswith(".trace.json"))
+    return _RESULT_FIX + (f" (here: {', '.join(found[:3])})" if near.is_dir() and found else "")
+
+
+def _read_result(path: str) -> dict:
+    """The experiment result at `path`, refusing what is not one (the runner's JSON: world, rows)."""
     import json  # noqa: PLC0415
+
+    p = Path(path)
+    if not p.exists():
+        _refuse(f"{path} does not exist", _result_fix(p.parent))
+    if p.is_dir():
+        _refuse(f"{path} is a directory, not a result file", _result_fix(p))
+    try:
+        payload = json.loads(p.read_text())
+    except OSError as e:
+        _refuse(f"cannot read {path} ({e.strerror})", _result_fix(p.parent))
+    except ValueError as e:  # not UTF-8, or not JSON
+        _refuse(f"{path} is not JSON ({e})" if isinstance(e, json.JSONDecodeError) else f"{path} is not JSON text",
+                _result_fix(p.parent))
+    if not (isinstance(payload, dict) and isinstance(payload.get("rows"), list)
+            and isinstance(payload.get("world"), dict) and "size" in payload["world"]):
+        # The runner writes a Chrome trace beside each result, under a name easily taken for it.
+        fix = (f"pass the result written beside it, {path[:-len('.trace.json')]}.json"
+               if path.endswith(".trace.json") else _result_fix(p.parent))
+        _refuse(f"{path} is not an overlap-experiment result (it has no 'world' and 'rows' of measured iterations)",
+                fix)
+    return payload
+
+
+def _why_not_replayable(row: dict) -> str | None:
+    """Why a row has no per-bucket events to replay (None: it has them). Only portddp's own DDPs record
+    them (harness/adapter.py, events()): Trace.from_row's message is the compiled strategy's reason."""
+    ev = row.get("events")
+    if ev and ev.get("forward_end_ns") and ev.get("buckets"):
+        return None
+    impl = str(row.get("impl") or row.get("label"))
+    if impl == "native":
+        return ("torch's own DistributedDataParallel records no per-bucket events: it is timed from outside "
+                "(its step time and the averages of its logging data only)")
+    if impl.endswith("-local"):
+        return "a single-process reference communicates nothing: it has no buckets"
+    if impl == "jax-compiled":
+        return "a compiled strategy schedules its all-reduces inside XLA: only the whole step is seen"
+    return "its row records no per-bucket events"
+
+
+def _link_rate(text: str) -> float | None:
+    """--link as `portddp cluster --link` reads it (a unit required; 0 or unlimited: no limit)."""
+    from portddp.cluster import parse_rate as cluster_rate  # noqa: PLC0415
+
+    try:
+        return cluster_rate(text)
+    except ValueError as e:
+        _refuse(f"--link {text.strip()} is not a link rate ({e})",
+                "write it with its unit, e.g. 10gbit or 500mbit; unlimited (or 0) for no limit")
+
+
+def _check_options(ns) -> None:
+    """Refuse option values simulate() would refuse, naming the option: its ValueError lists every
+    constraint at once. NaN fails every comparison, so each test is written to refuse it too."""
+    if ns.world is not None and ns.world < 1:
+        _refuse(f"--world {ns.world} is not a number of ranks", "pass --world 1 or more, or leave it out for the "
+                "trace's own world size")
+    for flag, cap in (("--bucket-cap", ns.bucket_cap), ("--first-bucket-cap", ns.first_bucket_cap)):
+        if cap is not None and not cap > 0:
+            _refuse(f"{flag} {cap:g} is not a bucket size", f"pass megabytes > 0, e.g. {flag} 4 (inf: one bucket), "
+                    "or leave it out for the trace's own buckets")
+    if not 0 < ns.compression <= 1:
+        _refuse(f"--compression {ns.compression:g} is not a fraction of the bytes sent", "pass 0 < c <= 1: 0.5 for "
+                "fp16/bf16 hooks, 1 (the default) for none")
+    if ns.no_sync_every < 1:
+        _refuse(f"--no-sync-every {ns.no_sync_every} is not a number of steps", "pass k >= 1 to synchronize every "
+                "k-th step (1, the default: every step)")
+    if not 0 < ns.compute_scale < math.inf:
+        _refuse(f"--compute-scale {ns.compute_scale:g} is not a factor on compute time", "pass a number > 0, e.g. "
+                "0.5 for a device twice as fast (1, the default: the measured one)")
+    if ns.hop_latency_us is not None and not 0 <= ns.hop_latency_us < math.inf:
+        _refuse(f"--hop-latency-us {ns.hop_latency_us:g} is not a latency", "pass microseconds >= 0, e.g. 10, or "
+                "leave it out to fit it")
+
+
+def main(argv=None) -> int:
+    """`portddp simulate RESULT.json --world 64 --link 10gbit --bucket-cap 4`.
+
+    Bad input ends with one line on stderr, `portddp simulate: <what is wrong> -- <the fix>`, and exit
+    status 1: the library's ValueErrors say what a value must be, not which option gave it."""
+    import argparse  # noqa: PLC0415
+    import shlex  # noqa: PLC0415
     import time  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(prog="portddp simulate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("result", help="an experiment's JSON (e.g. results/overlap-n2-h2-600mbit.json)")
+    parser.add_argument("result", help="an overlap experiment's JSON (e.g. results/overlap-n2-h2-600mbit.json)")
     parser.add_argument("--impl", default="torch-c10d", help="which implementation's row to replay")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: the trace's)")
     parser.add_argument("--link", default=None, help="link rate, e.g. 10gbit (default: the trace's)")
     parser.add_argument("--bucket-cap", type=float, default=None, help="bucket cap in MB (re-planned)")
-    parser.add_argument("--first-bucket-cap", type=float, default=None)
-    parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--first-bucket-cap", type=float, default=None,
+                        help="first bucket's cap in MB (re-planned; default: min(1, bucket cap))")
+    parser.add_argument("--no-overlap", action="store_true", help="reduce every bucket after backward")
     parser.add_argument("--compression", type=float, default=1.0, help="0.5 for fp16/bf16 hooks")
-    parser.add_argument("--no-sync-every", type=int, default=1)
+    parser.add_argument("--no-sync-every", type=int, default=1,
+                        help="synchronize every k-th step, accumulating locally in between (default: 1)")
     parser.add_argument("--compute-scale", type=float, default=1.0, help="compute time x this (faster device: < 1)")
     parser.add_argument("--hop-latency-us", type=float, default=None, help="latency of one ring step (default: "
                         "fitted; 0 when the trace has one world size -- set it to extrapolate to many ranks)")
     ns = parser.parse_args(argv)
-    payload = json.loads(open(ns.result).read())
+    _check_options(ns)
+    link_rate = _link_rate(ns.link) if ns.link else None
+    payload = _read_result(ns.result)
     trace_rate = (payload.get("cluster") or {}).get("rate_bps")
     rows = {r["label"]: r for r in payload["rows"]}
+    replayable = [label for label, r in rows.items() if _why_not_replayable(r) is None]
+    fix = (f"pass --impl one of: {', '.join(shlex.quote(label) for label in replayable)}" if replayable else
+           f"{ns.result} has no row that can be; " + _RESULT_FIX)
     if ns.impl not in rows:
-        raise SystemExit(f"{ns.result} has no row {ns.impl!r}: it has {sorted(rows)}")
+        _refuse(f"{ns.result} has no row {ns.impl!r} (it has {', '.join(map(repr, rows))})", fix)
+    if why := _why_not_replayable(rows[ns.impl]):
+        _refuse(f"--impl {ns.impl} cannot be replayed bucket by bucket: {why}", fix)
     world = payload["world"]["size"]
     t0 = time.perf_counter()
     on = Trace.from_row(rows[ns.impl], world)
     off_row = rows.get(f"{ns.impl} (no overlap)")
-    off = Trace.from_row(off_row, world) if off_row else on
-    model = Model.fit(on, off, trace_rate) if off_row else Model(fit_link(samples_from_trace(on, trace_rate)))
+    off = Trace.from_row(off_row, world) if off_row and _why_not_replayable(off_row) is None else on
+    if off.plan is None and (ns.bucket_cap is not None or ns.first_bucket_cap is not None):
+        flag = "--bucket-cap" if ns.bucket_cap is not None else "--first-bucket-cap"
+        _refuse(f"{flag} {ns.bucket_cap if ns.bucket_cap is not None else ns.first_bucket_cap:g} needs the "
+                f"bucket plan to re-plan, and {ns.result}'s row {ns.impl!r} records none", "leave out --bucket-cap "
+                "and --first-bucket-cap, or rerun the experiment (this version's runs record their plan)")
+    try:
+        model = Model.fit(on, off, trace_rate) if off is not on else Model(fit_link(samples_from_trace(on, trace_rate)))
+    except ValueError as e:  # fit_link: no all-reduce took any time (a world of one)
+        _refuse(f"{ns.result}'s row {ns.impl!r} ({world} ranks) has no all-reduce to fit the link to ({e})",
+                "pass the result of a run with 2 ranks or more")
     if ns.hop_latency_us is not None:
         model = dataclasses.replace(model, link=dataclasses.replace(model.link, hop_s=ns.hop_latency_us * 1e-6))
     link = model.link
-    rate = parse_rate(ns.link) if ns.link else trace_rate
+    rate = link_rate if ns.link else trace_rate
+    world_to = ns.world if ns.world is not None else world
     # Replayed: the iteration without overlap (compute undisturbed by communication), when there is one.
-    p = simulate(off, model, world=ns.world, rate_bps=rate, bucket_cap_mb=ns.bucket_cap,
+    p = simulate(off, model, world=world_to, rate_bps=rate, bucket_cap_mb=ns.bucket_cap,
                  first_bucket_cap_mb=ns.first_bucket_cap, overlap=not ns.no_overlap, compression=ns.compression,
                  no_sync_every=ns.no_sync_every, compute_scale=ns.compute_scale)
     took = time.perf_counter() - t0
@@ -382,7 +499,7 @@ def main(argv=None) -> int:
           + (f"(host-bound at {8 / link.host_s_per_byte / 1e9:.2f} Gbit/s)" if link.host_s_per_byte else
              "(wire-bound)") + f"; contention: compute x(1 + {model.kappa:.2f} f), communication beside compute "
           f"x{1 + model.kappa_comm:.2f}")
-    print(f"prediction at {ns.world or world} ranks, link "
+    print(f"prediction at {world_to} ranks, link "
           f"{'unlimited' if not rate else f'{rate / 1e9:g} Gbit/s'}: {p.summary()} [{took * 1e3:.0f} ms]")
     return 0
 

@@ -123,3 +123,136 @@ def test_a_prediction_takes_well_under_a_second():
     t0 = time.perf_counter()
     simulate(t, Model(WIRE_ONLY, kappa=0.2, kappa_comm=0.3), world=256, rate_bps=10 * GBIT, bucket_cap_mb=4)
     assert time.perf_counter() - t0 < 1.0
+
+
+# `portddp simulate` (main): a small overlap result, and bad input refused in one line naming value and fix.
+
+def _row(label, impl, *, overlap=True, events=True):
+    """A row as harness/runner.py writes it: three buckets of a 6-parameter plan, times in ms."""
+    specs = [ParamSpec(f"p{i}", (256, 256), "float32") for i in range(6)]
+    plan = plan_buckets(specs, 0.5, 0.25)
+    ms = 1_000_000
+    fwd_end, bwd_end = 10 * ms, 50 * ms
+    buckets, prev = [], 0
+    for i, b in enumerate(plan.buckets):
+        ready = fwd_end + (i + 1) * 40 * ms // len(plan.buckets)
+        launch = max(ready if overlap else bwd_end, prev)
+        prev = launch + 5 * ms + b.nbytes // 1000
+        buckets.append({"index": i, "nbytes": b.nbytes, "ready_ns": ready, "launch_ns": launch, "done_ns": prev})
+    ev = {"forward_start_ns": 0, "forward_end_ns": fwd_end, "backward_end_ns": bwd_end,
+          "finalize_end_ns": prev + ms, "buckets": buckets}
+    return {"label": label, "impl": impl, "median_s": (prev + 5 * ms) * 1e-9, "knobs": {"bucket_cap_mb": 0.5},
+            "plan": plan.to_dict(), "metrics": {}, "events": ev if events else None}
+
+
+@pytest.fixture
+def result(tmp_path):
+    import json  # noqa: PLC0415
+
+    rows = [_row("native", "native", events=False), _row("torch-c10d", "torch-c10d"),
+            _row("torch-c10d (no overlap)", "torch-c10d", overlap=False), _row("torch-local", "torch-local",
+                                                                                 events=False)]
+    path = tmp_path / "overlap-n2-h2-600mbit.json"
+    path.write_text(json.dumps({"experiment": "overlap", "world": {"size": 2}, "cluster": {"rate_bps": 600e6},
+                                "rows": rows}))
+    return str(path)
+
+
+def refused(capsys, *argv) -> str:
+    """main(argv) must end with one line 'portddp simulate: ... -- ...' and a non-zero status."""
+    from portddp.simulate import main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    message = e.value.code if isinstance(e.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code != 0 and message.startswith("portddp simulate: ") and " -- " in message, message
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+def test_main_predicts_from_a_valid_result(result, capsys):
+    from portddp.simulate import main  # noqa: PLC0415
+
+    assert main([result]) == 0
+    out = capsys.readouterr().out
+    assert "trace: torch-c10d from" in out and "(2 ranks, link 600 Mbit/s)" in out
+    assert "prediction at 2 ranks, link 0.6 Gbit/s: step" in out  # not given: the trace's world and link
+    assert main([result, "--world", "64", "--link", "10gbit", "--bucket-cap", "0.25", "--first-bucket-cap", "0.1",
+                 "--compression", "0.5", "--no-sync-every", "2", "--compute-scale", "0.5", "--no-overlap",
+                 "--hop-latency-us", "10"]) == 0
+    assert "prediction at 64 ranks, link 10 Gbit/s" in capsys.readouterr().out
+    assert main([result, "--world", "1", "--link", "unlimited"]) == 0
+    assert "prediction at 1 ranks, link unlimited" in capsys.readouterr().out
+    assert main([result, "--link", "0"]) == 0  # as for `portddp cluster --link 0`: no limit
+    assert "link unlimited" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_main_refuses_a_missing_file_or_directory_saying_what_writes_a_result(result, tmp_path, capsys):
+    missing = str(tmp_path / "overlap-n2-h2-999mbit.json")
+    message = refused(capsys, missing)
+    assert f"{missing} does not exist" in message
+    assert "portddp run overlap -n 2 --hosts 2 --link matched" in message and result in message  # the one there
+    message = refused(capsys, str(tmp_path))
+    assert f"{tmp_path} is a directory" in message and result in message
+
+
+def test_main_refuses_what_is_not_an_overlap_result(tmp_path, capsys):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    message = refused(capsys, str(text))
+    assert f"{text} is not JSON" in message and "portddp run overlap" in message
+    binary = tmp_path / "blob.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert f"{binary} is not JSON" in refused(capsys, str(binary))
+    other = tmp_path / "calibration.json"
+    other.write_text('{"experiment": "calibrate", "rate": "760mbit"}')
+    message = refused(capsys, str(other))
+    assert f"{other} is not an overlap-experiment result" in message and "portddp run overlap" in message
+    chrome = tmp_path / "overlap-n2-h2-600mbit.trace.json"
+    chrome.write_text('{"traceEvents": [], "displayTimeUnit": "ms"}')
+    message = refused(capsys, str(chrome))
+    assert "not an overlap-experiment result" in message
+    assert f"pass the result written beside it, {tmp_path / 'overlap-n2-h2-600mbit.json'}" in message
+
+
+@pytest.mark.parametrize("argv, names, fix", [
+    (["--link", "fast"], "--link fast is not a link rate", "e.g. 10gbit or 500mbit"),
+    (["--link", "1000"], "--link 1000 is not a link rate (link rate '1000' has no unit", "e.g. 10gbit or 500mbit"),
+    (["--bucket-cap", "0"], "--bucket-cap 0 is not a bucket size", "megabytes > 0"),
+    (["--first-bucket-cap", "-1"], "--first-bucket-cap -1 is not a bucket size", "megabytes > 0"),
+    (["--compute-scale", "0"], "--compute-scale 0 is not a factor", "0.5 for a device twice as fast"),
+    (["--compute-scale", "nan"], "--compute-scale nan is not a factor", "a number > 0"),
+    (["--no-sync-every", "0"], "--no-sync-every 0 is not a number of steps", "k >= 1"),
+    (["--compression", "2"], "--compression 2 is not a fraction", "0 < c <= 1: 0.5 for fp16/bf16"),
+    (["--world", "0"], "--world 0 is not a number of ranks", "--world 1 or more"),
+    (["--world", "-4"], "--world -4 is not a number of ranks", "--world 1 or more"),
+    (["--hop-latency-us", "-5"], "--hop-latency-us -5 is not a latency", "microseconds >= 0"),
+])
+def test_main_refuses_a_bad_option_naming_it_and_its_value(result, capsys, argv, names, fix):
+    message = refused(capsys, result, *argv)
+    assert names in message and fix in message.split(" -- ", 1)[1]
+    if argv[0] in ("--compute-scale", "--no-sync-every", "--compression"):
+        assert "compute_scale=" not in message  # not simulate()'s list of every constraint at once
+
+
+def test_main_refuses_a_row_without_bucket_events_with_the_true_reason(result, capsys):
+    message = refused(capsys, result, "--impl", "native")
+    assert "--impl native cannot be replayed" in message and "timed from outside" in message
+    assert "XLA" not in message
+    assert message.endswith("-- pass --impl one of: torch-c10d, 'torch-c10d (no overlap)'")
+    message = refused(capsys, result, "--impl", "torch-local")
+    assert "communicates nothing" in message and "pass --impl one of: torch-c10d" in message
+    message = refused(capsys, result, "--impl", "torch-mpi")
+    assert "has no row 'torch-mpi'" in message and "pass --impl one of: torch-c10d" in message
+
+
+def test_main_errors_arrive_as_one_line_from_the_command_line(result, tmp_path):
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    run = subprocess.run([sys.executable, "-m", "portddp.simulate", result, "--link", "fast"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.strip().splitlines() == [
+        "portddp simulate: --link fast is not a link rate (link rate 'fast' not understood: use e.g. 1gbit, 500mbit, "
+        "2.5gbit, or unlimited) -- write it with its unit, e.g. 10gbit or 500mbit; unlimited (or 0) for no limit"]
