@@ -365,6 +365,8 @@ def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAUL
         return  # no channel to exchange addresses on before any collective
     server, me = watchdog.listen(_reachable_address() or "127.0.0.1")
     peers = allgather_object(me, name="portddp.init: watchdog addresses")
+    if w.launcher == "mpirun":  # every rank is past MPI_Init, attached to MPICH's segment: its name can go
+        watchdog.unlink_mpi_shared_memory()
     try:
         _WATCHDOG = watchdog.start(w.rank, server, peers, stall_s=0.8 * timeout_s)
     except OSError as e:  # every rank ends up here (a peer it waits for never connects): run without it

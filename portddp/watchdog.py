@@ -614,10 +614,10 @@ class Watchdog:
         msg = (f"portddp: {head}; rank {self.rank} exits now (code {code}) rather than wait for collectives "
                f"that can never finish{detail}\n" + (rest + "\n" if rest else ""))
         try:
+            unlink_mpi_shared_memory()  # first: mpirun kills the others as soon as one rank is gone
             os.write(2, msg.encode())
             self._tell_all(_STOPPED, what)  # the others then name the first failure, not this rank
         finally:
-            _unlink_mpi_shared_memory()
             os._exit(code)
 
     # ------------------------------------------------------------- this rank ends
@@ -657,7 +657,7 @@ class Watchdog:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
-            _unlink_mpi_shared_memory()
+            unlink_mpi_shared_memory()
             os._exit(1)
         if say_bye:
             self._tell_all(_BYE, json.dumps({"iterations": _STEPS.completed, "seq": _PROGRESS.seq,
@@ -679,15 +679,26 @@ def _summary(kind, value) -> str:
     if "Traceback" in first or "CpuCallback error" in first:
         inner = [line for line in lines[1:] if ": " in line and line.split(":", 1)[0].replace(".", "").isidentifier()]
         if inner:
-            return f"{inner[-1][:300]} (raised in a JAX host callback; {kind.__name__})"
-    return f"{kind.__name__}: {first[:300]}"
+            return f"{_clip(inner[-1])} (raised in a JAX host callback; {kind.__name__})"
+    return f"{kind.__name__}: {_clip(first)}"
 
 
-def _unlink_mpi_shared_memory() -> None:
-    """Before a rank ends without MPI_Finalize (the job is failing): remove the /dev/shm files
-    MPICH shares with this host's ranks (`mpich_shm_*`, found in this process's memory map), which
-    only MPI_Finalize would remove -- else every failed job leaves its segment in RAM until reboot.
-    The ranks still running keep their mappings; nothing new attaches to a failing job's segment."""
+_SUMMARY_CHARS = 2000
+
+
+def _clip(line: str) -> str:
+    """A line for the other ranks: whole unless huge -- portddp's errors name the fix at their end,
+    and a peer stopped by one must read it too."""
+    return line if len(line) <= _SUMMARY_CHARS else line[:_SUMMARY_CHARS] + " [...]"
+
+
+def unlink_mpi_shared_memory() -> None:
+    """Remove the /dev/shm files MPICH shares with this host's ranks (`mpich_shm_*`, found in this
+    process's memory map), which only MPI_Finalize would remove -- else a job whose ranks end
+    without it leaves its segment in RAM until reboot. portddp.init calls it once every rank has
+    attached (after its first collective over COMM_WORLD: MPICH makes the segment in MPI_Init and
+    never opens it by name again), so that not even SIGKILL leaves one; a rank ending on an error
+    calls it again first thing. The ranks keep their mappings."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_shm_" in line}

@@ -7,6 +7,7 @@ environment variables, where nothing but portddp.watchdog can stop them."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
@@ -103,6 +104,7 @@ def test_an_exception_on_one_rank_stops_the_others_naming_it(tmp_path):
         assert rc == EXIT_CODE, output[-3000:]
         assert f"portddp: rank 2 (pid {pids[2]} on " in output, output[-3000:]
         assert "failed with RuntimeError: a bug on the last rank only" in output, output[-3000:]
+        assert "-- the fix: read to the end" in output, output[-3000:]  # the whole line, not its first 300 chars
     assert_no_orphans(pids)
 
 
@@ -111,11 +113,15 @@ def test_under_mpirun_the_job_ends_at_once_naming_the_lost_rank(impl, tmp_path):
     """Under `mpirun -n 3`, for every implementation. MPICH's mpirun SIGKILLs the survivors itself
     the moment it sees a rank die by a signal, and stops forwarding their output: the watchdog
     (which hears the closed socket within microseconds) usually gets its line out first, and the
-    banner names the dead pid otherwise. Either way: fast, non-zero, no orphan."""
+    banner names the dead pid otherwise. Either way: fast, non-zero, no orphan, and no MPICH
+    segment left in /dev/shm (portddp.init unlinks its name once every rank has attached: the
+    survivors are SIGKILLed too, before any code of theirs could)."""
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
     [(rc, output)], elapsed, pids = kill_mid_backward(impl, tmp_path, "mpirun")
     assert rc != 0 and elapsed < 60, output[-3000:]
     assert f"portddp: rank 2 (pid {pids[2]} on " in output or "BAD TERMINATION" in output, output[-3000:]
     assert_no_orphans(pids)
+    assert not set(glob.glob("/dev/shm/mpich_shm_*")) - before, "the killed job left MPICH's segment behind"
 
 
 # ------------------------------------------------------- determinism, checkpoint/resume

@@ -30,7 +30,8 @@ def pause(step: int) -> None:
     if WORLD.rank == VICTIM and step == 3:
         (OUT / "victim").write_text(str(os.getpid()))
         if MODE == "raise":
-            raise RuntimeError("a bug on the last rank only")
+            # (long, as portddp's own errors are, with the fix at the end: the others must read it all)
+            raise RuntimeError("a bug on the last rank only; " + "context " * 80 + "-- the fix: read to the end")
         time.sleep(120)
 
 
