@@ -119,6 +119,9 @@ def summarize(path: str, max_rss_growth: float) -> int:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--summarize"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: python -m experiments.soak --summarize RESULT.json (a soak run's JSON, "
+                             "e.g. results/soak/soak.json)")
         raise SystemExit(summarize(argv[1], Config.max_rss_growth))
     cfg = parse_config(Config, argv, __doc__.split("\n\n")[0])
     check_implementations(cfg.impls, IMPLEMENTATIONS)

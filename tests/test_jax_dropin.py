@@ -80,6 +80,8 @@ def test_has_aux(two_ranks, pmap_world, strategy):
 BAD = [
     ("tuple_loss_without_has_aux", r"TypeError: loss_fn must return a scalar; 'returns_pair' returned a tuple of 2 "
                                    r"values: to return \(loss, aux\) pass has_aux=True"),
+    ("nnx_tuple_loss_without_has_aux", r"returned a tuple of 2 values: to return \(loss, aux\) pass has_aux=True "
+                                       r"\(ddp\.nnx_value_and_grad\(loss_fn, has_aux=True\)"),
     ("has_aux_without_pair", r"has_aux=True: loss_fn must return a pair \(loss, aux\); '<lambda>' returned one array"),
     ("compiled_inside_jit", r"strategy='compiled' runs its own program over every rank's device, which cannot be "
                             r"traced into your jax\.jit .* or use strategy='hooked'"),

@@ -121,7 +121,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
     from portddp.jax.taps import checked_loss  # noqa: PLC0415
 
     nnx = _nnx()
-    checked = checked_loss(loss_fn, has_aux)
+    checked = checked_loss(loss_fn, has_aux, via="nnx_value_and_grad")
 
     def pure(graphdef, params, state, batch):
         # copy=True: fresh Variables owned by this trace (the step differentiates inside jit, and

@@ -205,9 +205,10 @@ def transformation(tree) -> str:
     return "jax.jit (or lax.scan, nnx.jit: any trace)"
 
 
-def checked_loss(loss_fn, has_aux: bool):
+def checked_loss(loss_fn, has_aux: bool, via: str = "value_and_grad"):
     """loss_fn as `(x, batch) -> (loss, aux)` (aux None without has_aux), checked at trace time to
-    return a floating-point scalar loss (the same error on every rank, before any collective)."""
+    return a floating-point scalar loss (the same error on every rank, before any collective).
+    `via`: the DistributedDataParallel method loss_fn was given to (its errors name it)."""
     name = getattr(loss_fn, "__name__", repr(loss_fn))
 
     def checked(x, batch):
@@ -221,7 +222,7 @@ def checked_loss(loss_fn, has_aux: bool):
         elif isinstance(out, tuple | list):
             raise TypeError(
                 f"loss_fn must return a scalar; {name!r} returned a {type(out).__name__} of {len(out)} values: to "
-                "return (loss, aux) pass has_aux=True (ddp.value_and_grad(loss_fn, has_aux=True); grad_fn then "
+                f"return (loss, aux) pass has_aux=True (ddp.{via}(loss_fn, has_aux=True); grad_fn then "
                 "returns ((loss, aux), grads)), or return only the loss")
         else:
             loss, aux = out, None

@@ -228,6 +228,9 @@ def bad(case: str) -> None:
             return mse(p, b), {"acc": 1.0}
 
         DistributedDataParallel(params).value_and_grad(returns_pair)(params, batch)
+    elif case == "nnx_tuple_loss_without_has_aux":  # (the fix names the method the loss was given to)
+        model = net(WORLD.rank, 100)
+        DistributedDataParallel(model).nnx_value_and_grad(lambda m, b: (loss_fn(m, b), 0.0))(model, batch)
     elif case == "has_aux_without_pair":
         DistributedDataParallel(params).value_and_grad(mse, has_aux=True)(params, batch)
     elif case == "compiled_inside_jit":
@@ -262,7 +265,7 @@ def bad(case: str) -> None:
         raise SystemExit(f"unknown case {case!r}")
 
 
-BAD_CASES = ("tuple_loss_without_has_aux", "has_aux_without_pair", "compiled_inside_jit", "rngs_captured_outside",
+BAD_CASES = ("tuple_loss_without_has_aux", "nnx_tuple_loss_without_has_aux", "has_aux_without_pair", "compiled_inside_jit", "rngs_captured_outside",
              "key_in_params", "module_to_pytree_grad_fn", "key_in_batch_compiled", "buffers_differ",
              "broadcast_buffers_differ")
 
