@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import portddp
+from portddp import malloc
 from harness.adapter import make_trainer
 from harness.runner import MODELS, VIEW_OF, bench_workload
 
@@ -31,6 +32,7 @@ from harness.runner import MODELS, VIEW_OF, bench_workload
 def main(impl: str = "jax-hooked", model: str = "mlp") -> None:
     if model not in MODELS:
         raise SystemExit(f"unknown model {model!r}: choose from {tuple(MODELS)}")
+    malloc.keep_freed_memory()  # as the benchmark runs every row
     world = portddp.init(jax_distributed=impl == "jax-compiled")  # (the compiled strategy needs it)
     knobs = {"gradient_as_bucket_view": True} if impl in VIEW_OF else {}
     trainer = make_trainer(VIEW_OF.get(impl, impl), bench_workload(model), world, **knobs)

@@ -1,7 +1,7 @@
 """Per-iteration events and the metrics every implementation reports.
 
 All timestamps are host `time.perf_counter_ns()` values of one rank. The
-definitions (DESIGN.md, "Metrics") live here once, so portddp.torch,
+definitions (README, "Metrics") live here once, so portddp.torch,
 portddp.jax and the harness cannot drift apart:
 
 * backward_compute_time  = backward end - forward end
@@ -45,7 +45,7 @@ class IterationEvents:
     buckets: list[BucketEvents] = dataclasses.field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
-        """The DESIGN.md metrics of this iteration, in seconds (ratio unitless)."""
+        """The metrics of this iteration (the module's list), in seconds (ratio unitless)."""
         launched = [b for b in self.buckets if b.launch_ns and b.done_ns]
         out = {"backward_compute_time": (self.backward_end_ns - self.forward_end_ns) * 1e-9}
         if not launched:

@@ -1115,7 +1115,7 @@ class DistributedDataParallel(DDPCommon):
 
     # ---- stats
     def stats(self) -> dict:
-        """DESIGN.md metrics of the last synchronised iteration, plus its events."""
+        """The metrics (portddp.timeline) of the last synchronised iteration, plus its events."""
         extra = {"iterations": self._iterations, "bucket_cap_mb": self.bucket_cap_mb}
         if self._tuner is not None:
             extra["autotune"] = self._tuner.summary()

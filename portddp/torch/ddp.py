@@ -757,7 +757,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # more collectives from its futures' callbacks (PowerSGD does): they must all be out
         # first, or ranks would issue them in different orders. And not on c10d: Gloo runs a
         # small all-reduce issued now beside the last bucket's, which cost 3-7 % of a step on
-        # the MLPs against issuing it after the buckets (A/B, README Performance).
+        # the MLPs against issuing it after the buckets (A/B, docs/performance-log.md).
         early = self._hook is None and self.transport != "c10d"
         delayed = self._launch_delayed() if early else None
         # One more small collective after the buckets: how many ranks produced
@@ -931,7 +931,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
 
     # ---- stats
     def stats(self) -> dict:
-        """DESIGN.md metrics of the last synchronised iteration, plus its events."""
+        """The metrics (portddp.timeline) of the last synchronised iteration, plus its events."""
         if self._last_events is None:
             return {}
         extra = {"iterations": self._iterations, "plan_rebuilt": self._rebuilt, "bucket_cap_mb": self.bucket_cap_mb}

@@ -1,7 +1,7 @@
 """Communication hooks: how a bucket's flat gradient buffer gets reduced.
 
 A hook is `hook(state, bucket) -> torch.futures.Future` whose value is the
-reduced flat tensor (DESIGN.md). Register one with
+reduced flat tensor (native DDP's contract). Register one with
 `ddp.register_comm_hook(state, hook)`; without one, the reducer divides while
 packing and all-reduces (what `allreduce_hook` does, minus one pass).
 
