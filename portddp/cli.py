@@ -94,6 +94,8 @@ def _is_hydra(mpirun: str | None) -> bool:
 
 def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link: str = "1gbit",
             fallback: bool = False, bind: str = "cores") -> int:
+    if "-h" in args or "--help" in args:  # the module's help, once (not once per rank, nor on a cluster)
+        return subprocess.call([sys.executable, "-m", module, *args])
     if hosts:
         from portddp import cluster  # noqa: PLC0415
 

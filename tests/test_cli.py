@@ -113,3 +113,10 @@ def test_report_help_shows_the_reports_own_options(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["report", "--bogus"])
     assert "portddp report: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_a_modules_help_is_printed_once_without_mpirun(capfd):
+    """`portddp run X -- --help` shows the experiment's options once: not once per rank, no cluster made."""
+    assert cli.main(["run", "overlap", "-n", "2", "--hosts", "2", "--", "--help"]) == 0
+    out = capfd.readouterr().out
+    assert out.count("usage: ") == 1 and "--out-dir OUT_DIR" in out and "$ mpirun" not in out, out
