@@ -133,6 +133,9 @@ def _check(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         if ns.link is not None:
             p.error(f"--link {ns.link} applies only to an emulated cluster: add --hosts H (e.g. --hosts 2), or "
                     "drop --link")
+        if ns.or_loopback:
+            p.error("--or-loopback applies only to an emulated cluster (where none can be made, run on loopback): "
+                    "add --hosts H, or drop it -- without --hosts the job runs on loopback anyway")
         return
     from portddp import cluster  # noqa: PLC0415
 

@@ -49,6 +49,9 @@ _USAGE_ERRORS = [
                                               "cluster: add --hosts H (e.g. --hosts 2), or drop --link"),
     (["compare", "--link", "matched"], "portddp compare: error: --link matched applies only to an emulated "
                                        "cluster: add --hosts H (e.g. --hosts 2), or drop --link"),
+    (["mixed", "--or-loopback"], "portddp mixed: error: --or-loopback applies only to an emulated cluster (where "
+                                 "none can be made, run on loopback): add --hosts H, or drop it -- without --hosts "
+                                 "the job runs on loopback anyway"),
     (["run", "overlap", "--hosts", "2", "--link", "1000"],
      "portddp run: error: link rate '1000' has no unit: write one, e.g. 1000mbit or 1gbit (1000bit if you do "
      "mean 1000 bits/s); 0 or unlimited: no shaping"),
