@@ -171,9 +171,10 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
         port = int(os.environ["MASTER_PORT"]) + offset if "MASTER_PORT" in os.environ else _free_port()
         return os.environ.get("MASTER_ADDR", "127.0.0.1"), port
     comm = mpi_comm()
+    local = _one_host(w)  # (a collective: before rank 0 goes its own way)
     mine = None
     if w.rank == 0:
-        addr = os.environ.get("MASTER_ADDR") or _reachable_address()
+        addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if local else _reachable_address())
         asked = os.environ.get("MASTER_PORT")
         if offset and asked == _CHOSEN_PORT:
             asked = None  # portddp's own choice for c10d: nobody asked for the port after it
@@ -194,6 +195,25 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
             )
         addr = "127.0.0.1"
     return addr, port
+
+
+_ONE_HOST: bool | None = None
+
+
+def _one_host(w: World) -> bool:
+    """Whether every rank of the job runs on this host: then rank 0's rendezvous and the watchdog
+    listen on loopback, and no traffic of portddp's own goes to an interface address. Not on an
+    emulated cluster, whose "hosts" talk over their links. Under mpirun it is asked once (an
+    allgather of hostnames: every rank calls this at the same point); under torchrun,
+    LOCAL_WORLD_SIZE says."""
+    global _ONE_HOST
+    if "PORTDDP_CLUSTER" in os.environ:
+        return False
+    if w.launcher != "mpirun":
+        return w.local_size == w.size
+    if _ONE_HOST is None:
+        _ONE_HOST = len(set(mpi_comm().allgather(socket.gethostname()))) == 1
+    return _ONE_HOST
 
 
 def _pin_threads(w: World, num_threads: int | None) -> int:
@@ -363,7 +383,7 @@ def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAUL
         return
     if w.launcher != "mpirun" and not torch_distributed:
         return  # no channel to exchange addresses on before any collective
-    server, me = watchdog.listen(_reachable_address() or "127.0.0.1")
+    server, me = watchdog.listen("127.0.0.1" if _one_host(w) else (_reachable_address() or "127.0.0.1"))
     peers = allgather_object(me, name="portddp.init: watchdog addresses")
     if w.launcher == "mpirun":  # every rank is past MPI_Init, attached to MPICH's segment: its name can go
         watchdog.unlink_mpi_shared_memory()

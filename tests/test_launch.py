@@ -32,16 +32,21 @@ def test_torchrun_environment(monkeypatch):
 
 def test_mpirun_world_and_rendezvous():
     # one write() per rank: a record is not split when mpirun merges the ranks' output
-    code = ("import os, torch, portddp, torch.distributed as d; w = portddp.init(); "
+    """Rank and world from mpirun; on one host, the rendezvous and the watchdog on loopback (no traffic
+    of portddp's own to an interface address)."""
+    code = ("import os, torch, portddp, torch.distributed as d; from portddp import launch; w = portddp.init(); "
             "os.write(1, f'WORLD {w.rank} {w.size} {w.launcher} {d.get_rank()} {d.get_world_size()} "
-            "{torch.get_num_threads()}\\n'.encode())")
+            "{torch.get_num_threads()} {os.environ[\"MASTER_ADDR\"]} "
+            "{launch._WATCHDOG.socks[1 - w.rank].getpeername()[0]}\\n'.encode())")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code],
-                          capture_output=True, text=True, timeout=120)
-    records = sorted(re.findall(r"WORLD (\d+) (\d+) (\w+) (\d+) (\d+) (\d+)", proc.stdout))
+                          capture_output=True, text=True, timeout=120, env=env)
+    records = sorted(re.findall(r"WORLD (\d+) (\d+) (\w+) (\d+) (\d+) (\d+) (\S+) (\S+)", proc.stdout))
     assert len(records) == 2, proc.stdout + proc.stderr
-    for r, (rank, size, launcher, c10d_rank, c10d_size, threads) in enumerate(records):
+    for r, (rank, size, launcher, c10d_rank, c10d_size, threads, master, peer) in enumerate(records):
         assert (int(rank), int(size), launcher, int(c10d_rank), int(c10d_size)) == (r, 2, "mpirun", r, 2)
         assert int(threads) >= 1
+        assert master == "127.0.0.1" and peer == "127.0.0.1", (master, peer)
 
 
 def test_init_gives_xla_one_compute_thread_per_rank_share():
