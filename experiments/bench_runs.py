@@ -65,8 +65,12 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     payloads = []
     for path in args.paths:
-        payload = json.loads(Path(path).read_text())
-        if payload.get("experiment") != "bench" or "models" not in payload:
+        try:
+            payload = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{path}: cannot read a benchmark result ({e}); pass the bench-n<N>.json that "
+                             "`portddp run bench` writes") from None
+        if not isinstance(payload, dict) or payload.get("experiment") != "bench" or "models" not in payload:
             raise SystemExit(f"{path}: not an experiments.bench result (no per-model ratios); pass the "
                              "bench-n<N>.json that `portddp run bench` writes")
         payloads.append(payload)

@@ -81,9 +81,9 @@ def main(argv: list[str]) -> None:
     for trainer in trainers.values():
         for _ in range(4):
             timed_step(trainer)
-    barrier = get_transport().barrier if world.size > 1 else None  # (the comm thread's, as the benchmark's)
     order = [(i, (t, None)) for i, t in trainers.items()]
-    if lockstep:
+    if lockstep:  # (the comm thread's barrier, as the benchmark's)
+        barrier = get_transport().barrier if world.size > 1 else None
         order += [(f"{i}+lockstep", (t, barrier)) for i, t in trainers.items()]
     steps = {label: [] for label, _ in order}
     for r in range(rounds):

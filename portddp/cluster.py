@@ -175,15 +175,18 @@ def _cleanup_stale_dirs() -> list[str]:
     every one another user made."""
     removed = []
     for path in sorted(Path(tempfile.gettempdir()).glob(LAUNCHER_DIR + "*")):
-        if path.is_symlink() or not path.is_dir() or path.lstat().st_uid != os.geteuid():
+        # Only what a launcher made: tempfile's name (<pid>- and 8 characters, or the 8 alone before
+        # the pid was in it) holding the to-host script that enters that launcher's namespaces.
+        named = re.fullmatch(rf"{re.escape(LAUNCHER_DIR)}(?:(\d+)-)?[a-z0-9_]{{8}}", path.name)
+        if named is None or path.is_symlink() or not path.is_dir() or path.lstat().st_uid != os.geteuid():
             continue
-        m = re.match(rf"{re.escape(LAUNCHER_DIR)}(\d+)-", path.name)
-        if m is None:
-            try:
-                m = re.search(rf"\b{PREFIX}(\d+)h\d", (path / "to-host").read_text())
-            except (OSError, UnicodeDecodeError):
-                m = None
-        if m is None or pid_alive(int(m.group(1))):
+        try:
+            script = re.search(rf"\b{PREFIX}(\d+)h\d", (path / "to-host").read_text())
+        except (OSError, UnicodeDecodeError):
+            continue
+        if script is None or (named.group(1) and named.group(1) != script.group(1)):
+            continue
+        if pid_alive(int(script.group(1))):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))

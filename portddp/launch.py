@@ -203,16 +203,19 @@ _ONE_HOST: bool | None = None
 def _one_host(w: World) -> bool:
     """Whether every rank of the job runs on this host: then rank 0's rendezvous and the watchdog
     listen on loopback, and no traffic of portddp's own goes to an interface address. Not on an
-    emulated cluster, whose "hosts" talk over their links. Under mpirun it is asked once (an
-    allgather of hostnames: every rank calls this at the same point); under torchrun,
-    LOCAL_WORLD_SIZE says."""
+    emulated cluster, whose "hosts" talk over their links. Under mpirun: the launcher counts every
+    rank as local (MPI_LOCALNRANKS or the like) and every rank has this hostname (asked once, an
+    allgather: every rank calls this at the same point; two machines may share a hostname). Under
+    torchrun: LOCAL_WORLD_SIZE, set, equals WORLD_SIZE. When in doubt: no (an address the other
+    hosts reach, as before)."""
     global _ONE_HOST
     if "PORTDDP_CLUSTER" in os.environ:
         return False
     if w.launcher != "mpirun":
-        return w.local_size == w.size
+        return "LOCAL_WORLD_SIZE" in os.environ and w.local_size == w.size
     if _ONE_HOST is None:
-        _ONE_HOST = len(set(mpi_comm().allgather(socket.gethostname()))) == 1
+        names = mpi_comm().allgather(socket.gethostname())
+        _ONE_HOST = w.local_size == w.size and len(set(names)) == 1
     return _ONE_HOST
 
 

@@ -693,15 +693,16 @@ def _clip(line: str) -> str:
 
 
 def unlink_mpi_shared_memory() -> None:
-    """Remove the /dev/shm files MPICH shares with this host's ranks (`mpich_shm_*`, found in this
-    process's memory map), which only MPI_Finalize would remove -- else a job whose ranks end
-    without it leaves its segment in RAM until reboot. portddp.init calls it once every rank has
-    attached (after its first collective over COMM_WORLD: MPICH makes the segment in MPI_Init and
-    never opens it by name again), so that not even SIGKILL leaves one; a rank ending on an error
-    calls it again first thing. The ranks keep their mappings."""
+    """Remove the /dev/shm files MPICH shares with this host's ranks (`mpich_shm_*`, and `mpich_vci_*`
+    with several VCIs; those this process has mapped), which only MPI_Finalize would remove -- else a job whose ranks end
+    without it leaves its segment in RAM until reboot. portddp.init calls it (with the watchdog on,
+    in a job of several ranks) once every rank has attached -- after its first collective over
+    COMM_WORLD: MPICH makes the segment in MPI_Init and never opens it by name again -- so that not
+    even SIGKILL leaves one; a rank ending on an error calls it again first thing. The ranks keep
+    their mappings."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_shm_" in line}
+            paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_" in line}
     except (OSError, IndexError):
         return
     for path in paths:

@@ -321,3 +321,5 @@ def test_runs_summary_counts_the_runs_meeting_each_target(tmp_path, capsys):
     other.write_text(json.dumps({"experiment": "overlap"}))
     with pytest.raises(SystemExit, match="not an experiments.bench result"):
         bench_runs.main([str(other)])
+    with pytest.raises(SystemExit, match="missing.json: cannot read a benchmark result"):
+        bench_runs.main([str(tmp_path / "missing.json")])

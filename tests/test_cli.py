@@ -118,8 +118,10 @@ def test_report_help_shows_the_reports_own_options(monkeypatch, capsys):
     assert "portddp report: error: unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
-def test_a_modules_help_is_printed_once_without_mpirun(capfd):
+def test_a_modules_help_is_printed_once_without_mpirun(capfd, monkeypatch):
     """`portddp run X -- --help` shows the experiment's options once: not once per rank, no cluster made."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (cli.main puts the checkout on both)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     assert cli.main(["run", "overlap", "-n", "2", "--hosts", "2", "--", "--help"]) == 0
     out = capfd.readouterr().out
     assert out.count("usage: ") == 1 and "--out-dir OUT_DIR" in out and "$ mpirun" not in out, out

@@ -91,18 +91,23 @@ def _dead_pid() -> int:
 
 
 def test_stale_launcher_directories_go_and_live_ones_stay(tmp_path, monkeypatch):
-    """A launcher directory whose launcher is gone is removed (its pid in its name, or for one made before
-    the name carried it, in its to-host script); a live launcher's, or one whose owner is unknown, stays."""
+    """A launcher directory whose launcher is gone is removed (tempfile's name, with or without the pid,
+    holding the to-host script that enters that launcher's namespaces); a live launcher's stays, and so
+    does anything else that merely starts with the prefix (a user's directory, one without the script,
+    one whose name and script disagree)."""
     monkeypatch.setattr(cluster.tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(cluster, "_run", lambda *cmd, **_: subprocess.CompletedProcess(cmd, 0, "", ""))  # no netns
     dead, alive = _dead_pid(), os.getpid()
     dirs = {name: tmp_path / name for name in (f"portddp-cluster-{dead}-ab1_cd2e", f"portddp-cluster-{alive}-xyz0abc1",
                                                "portddp-cluster-old0dead", "portddp-cluster-old0live",
-                                               "portddp-cluster-unknown1", "portddp-calibrate-x1y2z3w4")}
+                                               "portddp-cluster-unknown1", "portddp-calibrate-x1y2z3w4",
+                                               "portddp-cluster-2024-11-05-baseline", f"portddp-cluster-{dead}-noscrpt",
+                                               f"portddp-cluster-{dead}-mismatch")}
     for d in dirs.values():
         d.mkdir()
     for name, pid in ((f"portddp-cluster-{dead}-ab1_cd2e", dead), ("portddp-cluster-old0dead", dead),
-                      ("portddp-cluster-old0live", alive)):
+                      ("portddp-cluster-old0live", alive), ("portddp-cluster-2024-11-05-baseline", dead),
+                      (f"portddp-cluster-{dead}-mismatch", dead + 1)):
         (dirs[name] / "to-host").write_text(f"  h0) set -- ip netns exec pddp{pid}h0 unshare --uts sh -c ;;\n")
     (tmp_path / f"portddp-cluster-{dead}-file0000").write_text("not a directory")
     removed = cluster.cleanup_stale()

@@ -30,6 +30,25 @@ def test_torchrun_environment(monkeypatch):
     assert detect() == World(3, 4, 1, 2, "torchrun")
 
 
+def test_one_host_under_torchrun_only_when_local_world_size_says_so(monkeypatch):
+    """Loopback for the rendezvous and the watchdog only when LOCAL_WORLD_SIZE, set, covers the job: a
+    launcher that sets RANK and WORLD_SIZE alone (Slurm-style scripts) may span hosts."""
+    from portddp import launch  # noqa: PLC0415
+
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "PORTDDP_CLUSTER",
+                "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert not launch._one_host(detect())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not launch._one_host(detect())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launch._one_host(detect())
+    monkeypatch.setenv("PORTDDP_CLUSTER", "{}")  # an emulated cluster's hosts talk over their links
+    assert not launch._one_host(detect())
+
+
 def test_mpirun_world_and_rendezvous():
     # one write() per rank: a record is not split when mpirun merges the ranks' output
     """Rank and world from mpirun; on one host, the rendezvous and the watchdog on loopback (no traffic
