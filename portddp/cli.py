@@ -189,7 +189,8 @@ def main(argv=None) -> int:
                                                                   prog="portddp report")
     ns, extra = parser.parse_known_args(argv)
     args = [a for a in extra if a != "--"]
-    _check(jobs[ns.command], ns)
+    if not ({"-h", "--help"} & set(args)):  # (the module's help needs no valid job: _mpirun prints it)
+        _check(jobs[ns.command], ns)
     _checkout()
     module = {"run": f"experiments.{getattr(ns, 'experiment', '')}", "compare": "comparisons.equivalence",
               "mixed": "comparisons.mixed"}[ns.command]

@@ -122,6 +122,7 @@ def test_a_modules_help_is_printed_once_without_mpirun(capfd, monkeypatch):
     """`portddp run X -- --help` shows the experiment's options once: not once per rank, no cluster made."""
     monkeypatch.setattr(sys, "path", list(sys.path))  # (cli.main puts the checkout on both)
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    assert cli.main(["run", "overlap", "-n", "2", "--hosts", "2", "--", "--help"]) == 0
-    out = capfd.readouterr().out
-    assert out.count("usage: ") == 1 and "--out-dir OUT_DIR" in out and "$ mpirun" not in out, out
+    for job in (["-n", "2", "--hosts", "2"], ["-n", "3", "--hosts", "2"]):  # (the help, whatever the job)
+        assert cli.main(["run", "overlap", *job, "--", "--help"]) == 0
+        out = capfd.readouterr().out
+        assert out.count("usage: ") == 1 and "--out-dir OUT_DIR" in out and "$ mpirun" not in out, out
