@@ -19,6 +19,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import portddp
 
@@ -525,11 +526,15 @@ def equivalence_section(results: list[dict]) -> str:
                  body) + "\n"
 
 
+def _no_results(results: Path, problems: list[str]) -> NoReturn:
+    skipped = "".join(f"\n  skipped {p}" for p in problems)
+    raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
+
+
 def build(results: Path, out: Path) -> Path:
     found, equivalence, problems = load(results)
     if not (found or equivalence):  # (before making `out`: no empty report folder left behind)
-        skipped = "".join(f"\n  skipped {p}" for p in problems)
-        raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
+        _no_results(results, problems)
     out.mkdir(parents=True, exist_ok=True)
     sections: list[tuple[str, str, Path | None]] = []
     if equivalence:
@@ -576,8 +581,7 @@ def build(results: Path, out: Path) -> Path:
     if "compression" in found:
         sections.append(("Compression hooks", generic_section(found["compression"][-1], "loss"), None))
     if not sections:
-        skipped = "".join(f"\n  skipped {p}" for p in problems)
-        raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
+        _no_results(results, problems)
     any_payload = next((ps[-1] for ps in found.values() if "environment" in ps[-1]), None)
     env = any_payload["environment"] if any_payload else {}
     head = (f"# portddp report\n\nGenerated {datetime.datetime.now():%Y-%m-%d %H:%M} from `{results}` by "

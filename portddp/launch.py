@@ -171,7 +171,8 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
         port = int(os.environ["MASTER_PORT"]) + offset if "MASTER_PORT" in os.environ else _free_port()
         return os.environ.get("MASTER_ADDR", "127.0.0.1"), port
     comm = mpi_comm()
-    local = _one_host(w)  # (a collective: before rank 0 goes its own way)
+    hosts = _hostnames()  # (a collective, once: before rank 0 goes its own way)
+    local = _one_host(w)
     mine = None
     if w.rank == 0:
         addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if local else _reachable_address())
@@ -185,7 +186,6 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
         variable = "MASTER_PORT" if offset == 0 else f"MASTER_PORT (+{offset} for the {purpose} coordinator)"
         raise RuntimeError(f"port {port} on rank 0 ({host0}) is already in use ({taken}), and {variable} asks for "
                            "it: set MASTER_PORT to a free port, or unset it and portddp picks one")
-    hosts = comm.allgather(socket.gethostname())
     if addr is None:
         # Loopback is only reachable when every rank shares rank 0's host.
         if any(h != host0 for h in hosts):
@@ -197,26 +197,30 @@ def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:
     return addr, port
 
 
-_ONE_HOST: bool | None = None
+_HOSTNAMES: list[str] | None = None
+
+
+def _hostnames() -> list[str]:
+    """Every rank's hostname, in rank order (under mpirun; an allgather the first time: every rank
+    calls this at the same point)."""
+    global _HOSTNAMES
+    if _HOSTNAMES is None:
+        _HOSTNAMES = mpi_comm().allgather(socket.gethostname())
+    return _HOSTNAMES
 
 
 def _one_host(w: World) -> bool:
     """Whether every rank of the job runs on this host: then rank 0's rendezvous and the watchdog
     listen on loopback, and no traffic of portddp's own goes to an interface address. Not on an
     emulated cluster, whose "hosts" talk over their links. Under mpirun: the launcher counts every
-    rank as local (MPI_LOCALNRANKS or the like) and every rank has this hostname (asked once, an
-    allgather: every rank calls this at the same point; two machines may share a hostname). Under
-    torchrun: LOCAL_WORLD_SIZE, set, equals WORLD_SIZE. When in doubt: no (an address the other
+    rank as local (MPI_LOCALNRANKS or the like) and every rank has this hostname (_hostnames: two
+    machines may share a hostname). Under torchrun: LOCAL_WORLD_SIZE, set, equals WORLD_SIZE. When in doubt: no (an address the other
     hosts reach, as before)."""
-    global _ONE_HOST
     if "PORTDDP_CLUSTER" in os.environ:
         return False
     if w.launcher != "mpirun":
         return "LOCAL_WORLD_SIZE" in os.environ and w.local_size == w.size
-    if _ONE_HOST is None:
-        names = mpi_comm().allgather(socket.gethostname())
-        _ONE_HOST = w.local_size == w.size and len(set(names)) == 1
-    return _ONE_HOST
+    return w.local_size == w.size and len(set(_hostnames())) == 1
 
 
 def _pin_threads(w: World, num_threads: int | None) -> int:

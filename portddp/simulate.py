@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -48,20 +47,31 @@ from portddp.buckets import BucketPlan, plan_buckets, rebuild_plan
 from portddp.timeline import union_length
 
 __all__ = ["Trace", "LinkModel", "Model", "Prediction", "fit_link", "fit_contention", "samples_from_trace", "simulate",
-           "parse_rate"]
-
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
+           "parse_rate", "why_not_replayable"]
 
 def parse_rate(rate: str) -> float | None:
-    """'10gbit' -> 1e10 bits/s; 'unlimited' -> None (the cluster's parser, without importing it)."""
-    text = str(rate).strip().lower()
-    if text in ("unlimited", "none", "inf"):
+    """'10gbit' -> 1e10 bits/s; 'unlimited' or '0' -> None: the emulated cluster's reading of a link rate
+    (portddp.cluster.parse_rate), so that a rate means the same to both."""
+    from portddp.cluster import parse_rate as cluster_rate  # noqa: PLC0415
+
+    return cluster_rate(rate)
+
+
+def why_not_replayable(row: dict) -> str | None:
+    """Why an experiment row cannot be replayed bucket by bucket (None: it can). Only portddp's own
+    DDPs record per-bucket events (harness/adapter.py, events())."""
+    ev = row.get("events")
+    if ev and ev.get("forward_end_ns") and ev.get("buckets"):
         return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:bit|bps|b)?(?:/s)?", text)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"link rate {rate!r} not understood: use e.g. 10gbit, 500mbit, or unlimited")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    impl = str(row.get("impl") or row.get("label"))
+    if impl == "native":
+        return ("torch's own DistributedDataParallel records no per-bucket events: it is timed from outside "
+                "(its step time and the averages of its logging data only)")
+    if impl.endswith("-local"):
+        return "a single-process reference communicates nothing: it has no buckets"
+    if impl == "jax-compiled":
+        return "a compiled strategy schedules its all-reduces inside XLA: only the whole step is seen"
+    return "its row records no per-bucket events"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +93,10 @@ class Trace:
     @classmethod
     def from_row(cls, row: dict, world: int) -> "Trace":
         """From a row of an experiment JSON (harness/runner.py): events, plan, median step time."""
-        ev = row.get("events")
-        if not ev or not ev.get("forward_end_ns") or not ev.get("buckets"):
-            raise ValueError(f"{row.get('label')!r} has no per-bucket events (a compiled strategy schedules its "
-                             "all-reduces inside XLA): it cannot be replayed bucket by bucket")
+        why = why_not_replayable(row)
+        if why:
+            raise ValueError(f"{row.get('label')!r} cannot be replayed bucket by bucket: {why}")
+        ev = row["events"]
         trace = cls.from_events(ev, row["median_s"], world, BucketPlan.from_dict(row["plan"]) if row.get("plan")
                                 else None, _caps(row.get("knobs", {})))
         # The events are one iteration's; the row's medians over every timed iteration are steadier:
@@ -378,29 +388,10 @@ def _read_result(path: str) -> dict:
     return payload
 
 
-def _why_not_replayable(row: dict) -> str | None:
-    """Why a row has no per-bucket events to replay (None: it has them). Only portddp's own DDPs record
-    them (harness/adapter.py, events()): Trace.from_row's message is the compiled strategy's reason."""
-    ev = row.get("events")
-    if ev and ev.get("forward_end_ns") and ev.get("buckets"):
-        return None
-    impl = str(row.get("impl") or row.get("label"))
-    if impl == "native":
-        return ("torch's own DistributedDataParallel records no per-bucket events: it is timed from outside "
-                "(its step time and the averages of its logging data only)")
-    if impl.endswith("-local"):
-        return "a single-process reference communicates nothing: it has no buckets"
-    if impl == "jax-compiled":
-        return "a compiled strategy schedules its all-reduces inside XLA: only the whole step is seen"
-    return "its row records no per-bucket events"
-
-
 def _link_rate(text: str) -> float | None:
     """--link as `portddp cluster --link` reads it (a unit required; 0 or unlimited: no limit)."""
-    from portddp.cluster import parse_rate as cluster_rate  # noqa: PLC0415
-
     try:
-        return cluster_rate(text)
+        return parse_rate(text)
     except ValueError as e:
         _refuse(f"--link {text.strip()} is not a link rate ({e})",
                 "write it with its unit, e.g. 10gbit or 500mbit; unlimited (or 0) for no limit")
@@ -460,18 +451,18 @@ def main(argv=None) -> int:
     payload = _read_result(ns.result)
     trace_rate = (payload.get("cluster") or {}).get("rate_bps")
     rows = {r["label"]: r for r in payload["rows"]}
-    replayable = [label for label, r in rows.items() if _why_not_replayable(r) is None]
+    replayable = [label for label, r in rows.items() if why_not_replayable(r) is None]
     fix = (f"pass --impl one of: {', '.join(shlex.quote(label) for label in replayable)}" if replayable else
            f"{ns.result} has no row that can be; " + _RESULT_FIX)
     if ns.impl not in rows:
         _refuse(f"{ns.result} has no row {ns.impl!r} (it has {', '.join(map(repr, rows))})", fix)
-    if why := _why_not_replayable(rows[ns.impl]):
+    if why := why_not_replayable(rows[ns.impl]):
         _refuse(f"--impl {ns.impl} cannot be replayed bucket by bucket: {why}", fix)
     world = payload["world"]["size"]
     t0 = time.perf_counter()
     on = Trace.from_row(rows[ns.impl], world)
     off_row = rows.get(f"{ns.impl} (no overlap)")
-    off = Trace.from_row(off_row, world) if off_row and _why_not_replayable(off_row) is None else on
+    off = Trace.from_row(off_row, world) if off_row and why_not_replayable(off_row) is None else on
     if off.plan is None and (ns.bucket_cap is not None or ns.first_bucket_cap is not None):
         flag = "--bucket-cap" if ns.bucket_cap is not None else "--first-bucket-cap"
         _refuse(f"{flag} {ns.bucket_cap if ns.bucket_cap is not None else ns.first_bucket_cap:g} needs the "
