@@ -191,3 +191,29 @@ def test_collectives_per_step(results, transport):
             assert (row["plain"], row["hooked"]) == (row["buckets"], row["buckets"] + 1), row
         else:
             assert row["plain"] == row["hooked"] == row["buckets"] + 1, row
+
+
+@pytest.mark.parametrize("world", [2, 3, 7, 1000])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_packs_scale_tensor_multiplies_bitwise_like_the_python_float(world, dtype):
+    """_set_divisor's 0-dim tensors replace the Python float 1/world in every pack (faster): the
+    product must keep every bit -- huge, tiny, subnormal, inf, NaN and signed zeros included."""
+    import torch  # noqa: PLC0415
+
+    from portddp.torch.ddp import DistributedDataParallel  # noqa: PLC0415
+
+    dt = getattr(torch, dtype)
+    fi = torch.finfo(dt)
+    gen = torch.Generator().manual_seed(world)
+    grad = torch.cat([torch.randn(20000, dtype=dt, generator=gen)
+                      * torch.pow(torch.tensor(10.0, dtype=dt), torch.randint(-45, 38, (20000,), generator=gen).to(dt)),
+                      torch.tensor([fi.tiny, fi.tiny / 3, fi.max, -fi.max, float("inf"), float("nan"), 0.0, -0.0],
+                                   dtype=dt)])
+    state = type("State", (), {})()
+    DistributedDataParallel._set_divisor(state, world)
+    packed = torch.empty_like(grad)
+    torch.mul(grad, state._scale_of[dt], out=packed)
+    bits = torch.int32 if dt == torch.float32 else torch.int64
+    assert torch.equal(packed.view(bits), torch.mul(grad, 1.0 / world).view(bits))
+    in_place = grad.clone().mul_(state._scale_of[dt])
+    assert torch.equal(in_place.view(bits), packed.view(bits))

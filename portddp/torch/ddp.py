@@ -270,7 +270,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             dist.distributed_c10d._get_default_group() if dist.is_initialized() else None)
         self.world_size = self._comm.size
         self.rank = self._comm.rank
-        self._inv_world = 1.0 / self.world_size
+        self._set_divisor(self.world_size)
         self._divide_by_initial_world_size = True
         self._warn_if_alone()
         # Buffers are compared too wherever they travel (before forwards, or at construction): a
@@ -307,6 +307,15 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._take_over_parameters()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
+
+    def __setattr__(self, name: str, value) -> None:
+        # The per-iteration bookkeeping (flags, counters, bucket events) is set a few dozen times a
+        # step; nn.Module's __setattr__ first checks every value against parameters, buffers and
+        # submodules (~2 us each). Private plain values go straight to the instance.
+        if name[0] == "_" and not isinstance(value, (torch.Tensor, nn.Module)):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def _take_over_parameters(self) -> None:
         """Wrapping parameters another live DistributedDataParallel wraps (the module wrapped
@@ -577,12 +586,23 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             # join(divide_by_initial_world_size=False): the mean over the ranks still training.
             with watchdog.waiting():
                 self._contributors = int(self._sync_flag.wait()[0])
-        self._inv_world = 1.0 / self._contributors
+        if self._contributors != self._divisor:
+            self._set_divisor(self._contributors)
         self._events = IterationEvents(
             rank=self.rank,
             forward_start_ns=start_ns,
             buckets=[BucketEvents(b, buf.numel() * buf.element_size()) for b, buf in enumerate(self._bucket_buffers)],
         )
+
+    def _set_divisor(self, n: int) -> None:
+        """Gradients are divided by `n` (the world size; in join(divide_by_initial_world_size=False),
+        the ranks still training). The packs multiply float32/float64 gradients by a 0-dim tensor of
+        their dtype holding 1/n: bitwise the product with the Python float (which the kernel casts to
+        the same dtype), without wrapping that float into a tensor at every pack (~2 us a parameter).
+        Half dtypes keep the float: their kernel multiplies in float32 by the float itself."""
+        self._divisor = n
+        self._inv_world = 1.0 / n
+        self._scale_of = {dtype: torch.tensor(self._inv_world, dtype=dtype) for dtype in (torch.float32, torch.float64)}
 
     def _make_hook(self, i: int):
         # Weakly: the parameters keep their hooks for as long as they live, and must not keep a
@@ -593,15 +613,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             ddp = ref()
             if ddp is None:
                 return
-            if param.grad is None:  # an undefined gradient (e.g. from an output the loss ignores): native's
-                # rule -- not used, with find_unused_parameters or static_graph (its .grad stays None);
-                # else a zero gradient, reduced with the others'
-                if ddp.find_unused_parameters or ddp.static_graph or not ddp._sync:
-                    return
             if ddp._sync and (ddp._expect_grads or ddp._in_ddp_backward()):
-                ddp._mark_ready(i, param)  # (outside an iteration: a second backward, refused there)
-            elif ddp.find_unused_parameters:  # under no_sync (or through ddp.module) the gradient
-                ddp._used_unsynced[i] = 1  # simply accumulates in .grad; used since the last reduction
+                # An undefined gradient (e.g. from an output the loss ignores): native's rule -- not
+                # used, with find_unused_parameters or static_graph (its .grad stays None); else a
+                # zero gradient, reduced with the others'.
+                if param.grad is not None or not (ddp.find_unused_parameters or ddp.static_graph):
+                    ddp._mark_ready(i, param)  # (outside an iteration: a second backward, refused there)
+            elif ddp.find_unused_parameters and param.grad is not None:  # under no_sync (or through
+                ddp._used_unsynced[i] = 1  # ddp.module) it simply accumulates in .grad: used since the last reduction
 
         return hook
 
@@ -670,11 +689,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             )
         if self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():  # already in place
             if self._hook is None:
-                view.mul_(self._inv_world)
+                view.mul_(self._scale_of.get(grad.dtype, self._inv_world))
             return
         if self._hook is None:
             # Divide while copying: one pass over the gradient instead of two.
-            torch.mul(grad, self._inv_world, out=view)
+            torch.mul(grad, self._scale_of.get(grad.dtype, self._inv_world), out=view)
         else:
             view.copy_(grad)
         if self.gradient_as_bucket_view and not param.grad.requires_grad:
@@ -847,18 +866,20 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         parameter unused on every rank is never passed: its .grad is left as it was, as native
         DDP does.)"""
         grads, views = [], []
+        params, bucket_views, as_view = self._params, self._views, self.gradient_as_bucket_view
         for i in indices:
-            p, view = self._params[i], self._views[i]
-            if p.grad is not None and p.grad.requires_grad:  # create_graph=True: keep its local graph
+            p, view = params[i], bucket_views[i]
+            grad = p.grad
+            if grad is None:
+                p.grad = view if as_view else view.clone()
+            elif grad.requires_grad:  # create_graph=True: keep its local graph
                 with torch.no_grad():
-                    p.grad.copy_(view)
-            elif self.gradient_as_bucket_view:
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    grad.copy_(view)
+            elif as_view:
+                if grad.data_ptr() != view.data_ptr():
                     p.grad = view
-            elif p.grad is None:
-                p.grad = view.clone()
             else:
-                grads.append(p.grad)
+                grads.append(grad)
                 views.append(view)
         if grads:
             torch._foreach_copy_(grads, views)
