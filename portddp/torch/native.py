@@ -412,14 +412,17 @@ class NativeInterface:
         arrives outside an iteration in such a pass is a second backward through a synchronised
         forward's graph (an error), in any other pass one of a graph built without the wrapper
         (`ddp.module(x)`), which native ignores and leaves in .grad."""
-        ref = weakref.ref(self)
+        record = self.__dict__.get("_record_backward")
+        if record is None:  # made once (weakly: the graph must not keep the wrapper alive)
+            ref = weakref.ref(self)
 
-        def record(_grad_outputs):
-            ddp = ref()
-            if ddp is not None:
-                ddp._ddp_backward_task = torch._C._current_graph_task_id()
+            def record(_grad_outputs):
+                ddp = ref()
+                if ddp is not None:
+                    ddp._ddp_backward_task = torch._C._current_graph_task_id()
 
-        for t in torch.utils._pytree.tree_leaves(output):
+            self._record_backward = record
+        for t in (output,) if isinstance(output, torch.Tensor) else torch.utils._pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 t.grad_fn.register_prehook(record)
 
