@@ -252,6 +252,25 @@ def test_phase_probe_names_its_usage_on_bad_arguments():
     assert proc.returncode != 0 and "usage: phase_probe [mlp|gelu-mlp|gpt]" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_hook_overhead_prints_each_rows_excess_over_native_per_parameter():
+    proc = mpi.run(2, "experiments.hook_overhead", "1", "3", "--rounds", "2", timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    totals = re.findall(r"^ *(\d+) parameters, us of main-thread CPU per forward\+backward: (.*)$", proc.stdout, re.M)
+    assert [n for n, _ in totals] == ["2", "6"], proc.stdout  # (rank 0 prints, once per size)
+    for _, cells in totals:
+        us = dict(re.findall(r"(\S+) ([0-9]+)", cells))
+        assert sorted(us) == sorted(("local", "native", "c10d", "mpi", "mpi+view")) and all(float(v) > 0 for v in us.values())
+    excess = re.findall(r"over native DDP: c10d [+-]\d+ \([+-][0-9.]+/param\)  mpi [+-]\d+ .*mpi\+view [+-]\d+",
+                        proc.stdout)
+    assert len(excess) == 2, proc.stdout
+
+
+def test_hook_overhead_refuses_one_rank_and_bad_sizes():
+    proc = subprocess.run([sys.executable, "-m", "experiments.hook_overhead", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "layers and --rounds must be at least 1" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_each_model_line_gives_the_ratios_range_over_the_rounds(bench):
     """The per-round ratios of medians: their range says how much one run's ratio can move."""
     from experiments.bench import per_round, summarise  # noqa: PLC0415
