@@ -334,6 +334,8 @@ def test_runs_summary_counts_the_runs_meeting_each_target(tmp_path, capsys):
     assert rows[("mlp", "torch_best_vs_limit")]["target"] == 1.20 and rows[("mlp", "torch_best_vs_limit")]["met"] == 3
     assert rows[("gpt", "torch_c10d_vs_native")]["met"] == 2
     assert rows[("gpt", "native_again_vs_native")]["values"] == [0.99, 1.01, None]  # no target: not counted
+    both = rows[("gpt", "torch_c10d_vs_both_natives")]  # c10d / mean(native, native again), no target
+    assert both["values"] == [pytest.approx(1.01 / 0.995), pytest.approx(1.02 / 1.005), None] and "met" not in both
     assert summary["met_all"] == 1  # run 1 misses gpt's 1.05, run 2 c10d's 1.03
     assert "every target met together in 1 of 3 run(s)" in capsys.readouterr().out
     other = tmp_path / "overlap.json"
