@@ -33,6 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from harness.cma import BLOCK, read_remote
+from harness.measure import rotated
 
 N = 8 * 1024 * 1024  # 32 MB of float32
 ROUNDS = 15
@@ -126,7 +127,7 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     order = list(variants)
     for r in range(ROUNDS):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in rotated(order, r):
             comm.Barrier()
             t, c = time.perf_counter(), time.thread_time()
             variants[name]()

@@ -17,9 +17,10 @@ each row's excess over native DDP, per step and per parameter. The benchmark's m
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
+
+from harness.measure import no_collection, rotated
 
 ROWS = ("local", "native", "c10d", "mpi", "mpi+view")
 
@@ -66,14 +67,10 @@ def measure(layers: int, rounds: int) -> dict[str, float]:
             step(k)
     taken: dict[str, list[int]] = {k: [] for k in rows}
     for r in range(rounds):
-        for k in ROWS[r % len(ROWS):] + ROWS[:r % len(ROWS)]:
+        for k in rotated(ROWS, r):
             dist.barrier()
-            gc.collect()
-            gc.disable()
-            try:
+            with no_collection():
                 taken[k] += [step(k) for _ in range(10)]
-            finally:
-                gc.enable()
     return {k: statistics.median(v) / 1e3 for k, v in taken.items()}
 
 

@@ -13,12 +13,12 @@ after the limit's began with the ranks' drift over the limit's steps).
 
 from __future__ import annotations
 
-import gc
 import statistics
 import sys
 
 import portddp
 from harness.adapter import make_trainer
+from harness.measure import no_collection
 from harness.runner import MODELS, bench_workload
 from portddp.transport import get_transport
 
@@ -26,13 +26,9 @@ VARIANTS = (("limit", "torch-local", {}), ("ddp", "torch-mpi", {"gradient_as_buc
 
 
 def timed(trainer, steps: int) -> list[float]:
-    gc.collect()
-    gc.disable()
-    try:
+    with no_collection():
         get_transport().barrier()
         return [trainer.step() for _ in range(steps)]
-    finally:
-        gc.enable()
 
 
 def main(model: str = "gpt", rounds: int = 8, per_turn: int = 3) -> None:

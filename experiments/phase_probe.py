@@ -21,13 +21,13 @@ row, memory-bound -- is slower when the ranks run it at the same moment.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import sys
 import time
 
 import portddp
 from harness.adapter import make_trainer
+from harness.measure import no_collection, rotated
 from harness.runner import MODELS, VIEW_OF, bench_workload
 from portddp import malloc
 from portddp.transport import get_transport
@@ -87,13 +87,9 @@ def main(argv: list[str]) -> None:
         order += [(f"{i}+lockstep", (t, barrier)) for i, t in trainers.items()]
     steps = {label: [] for label, _ in order}
     for r in range(rounds):
-        for label, (trainer, sync) in order[r % len(order):] + order[:r % len(order)]:
-            gc.collect()
-            gc.disable()
-            try:
+        for label, (trainer, sync) in rotated(order, r):
+            with no_collection():
                 steps[label] += [timed_step(trainer, sync) for _ in range(3)]
-            finally:
-                gc.enable()
     for label, taken in steps.items():
         total = statistics.median(sum(s[p][0] for p in PHASES) for s in taken) * 1e3
         parts = "  ".join(f"{p} {statistics.median(s[p][0] for s in taken) * 1e3:.1f} / "

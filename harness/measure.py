@@ -15,12 +15,15 @@ Wall time hides that; CPU seconds per step, split by thread, show it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import statistics
 import threading
 import time
+from collections.abc import Iterator, Sequence
 
-__all__ = ["CpuMeter", "GROUPS", "thread_group", "thread_cpu", "Memory"]
+__all__ = ["CpuMeter", "GROUPS", "thread_group", "thread_cpu", "Memory", "rotated", "no_collection"]
 
 GROUPS = ("main", "comm", "xla", "other")
 """main: the Python thread that runs the step (PyTorch's forward and backward, the hooks; JAX's
@@ -30,6 +33,24 @@ other: every other thread -- the watchdog, gRPC, and XLA's unnamed pools, which 
 jitted code (the JAX rows' compute is split between `xla` and `other`)."""
 
 _TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 1e7
+
+
+def rotated(items: Sequence, r: int) -> list:
+    """Round r's order of interleaved variants: each round starts with another one, so that none
+    always runs right after the same one."""
+    k = r % len(items)
+    return [*items[k:], *items[:k]]
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """As timeit does: collect first, then no collector pause inside the timed steps."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def thread_group(py_name: str | None, os_name: str, is_main: bool) -> str:

@@ -16,7 +16,6 @@ on the wire.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import portddp
 from harness.adapter import IMPLEMENTATIONS, Workload, check_implementations, make_trainer
-from harness.measure import GROUPS, CpuMeter, Memory
+from harness.measure import GROUPS, CpuMeter, Memory, no_collection, rotated
 from harness.results import environment, median, write_result
 from portddp import cluster, malloc
 from portddp.launch import detect
@@ -107,11 +106,8 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 for _ in range(cfg.steps_per_round):
                     t.step()
         for r in range(max(v.rounds or cfg.rounds for v in members)):
-            # Each round starts with another variant, so that none always runs right after the same one.
-            for label, t in order[r % len(order):] + order[:r % len(order)]:
-                gc.collect()  # as timeit does: no collector pause inside a timed step
-                gc.disable()
-                try:
+            for label, t in rotated(order, r):
+                with no_collection():
                     # (every turn starts together: else a communicating variant's first step would
                     # include its peers' lateness -- their collection, a local variant's drift)
                     before = _settled_interface_bytes()
@@ -121,8 +117,6 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                         stats[label].append(t.stats())
                     cpu[label].stop(cfg.steps_per_round)
                     after = _settled_interface_bytes()
-                finally:
-                    gc.enable()
                 if before is not None:
                     wire[label].append((after["tx_bytes"] - before["tx_bytes"]) / cfg.steps_per_round)
         # A step of a synchronous job takes as long as its slowest rank's: so does each step's time

@@ -67,7 +67,7 @@ from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_head
                               unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
-from portddp.torch.native import NativeInterface, _done, registrations
+from portddp.torch.native import NativeInterface, _done, backward_recorder, registrations
 
 __all__ = ["DistributedDataParallel", "GradBucket"]
 
@@ -292,6 +292,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._finalize_queued = False
         self._static_hooks: list[int] | None = None  # static_graph: gradient hooks per param, learnt once
         self._ddp_backward_task = None  # the autograd pass the last synchronised forward's output started
+        self._record_backward = backward_recorder(self)  # (the pre-hook that records it)
         self._sync_flag = None  # join(): how many ranks sync this iteration (a pending collective)
         self._last_events: IterationEvents | None = None
         self._warned_create_graph = False

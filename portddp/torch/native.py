@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -116,6 +117,20 @@ class _JoinHook(JoinHook):
         src = ddp._find_common_rank(is_last_joiner)
         ddp._broadcast_state(src=src, buffers=ddp.forward_sync_buffers)
         ddp._step_count = 0  # the joined ranks stopped counting: every rank starts again from here
+
+
+def backward_recorder(ddp) -> Callable:
+    """The grad_fn pre-hook `_mark_backward_source` registers: it records the autograd pass that
+    starts from a synchronised forward's output (made once per wrapper; weakly, so that a graph
+    does not keep the wrapper alive)."""
+    ref = weakref.ref(ddp)
+
+    def record(_grad_outputs):
+        owner = ref()
+        if owner is not None:
+            owner._ddp_backward_task = torch._C._current_graph_task_id()
+
+    return record
 
 
 class NativeInterface:
@@ -412,19 +427,9 @@ class NativeInterface:
         arrives outside an iteration in such a pass is a second backward through a synchronised
         forward's graph (an error), in any other pass one of a graph built without the wrapper
         (`ddp.module(x)`), which native ignores and leaves in .grad."""
-        record = self.__dict__.get("_record_backward")
-        if record is None:  # made once (weakly: the graph must not keep the wrapper alive)
-            ref = weakref.ref(self)
-
-            def record(_grad_outputs):
-                ddp = ref()
-                if ddp is not None:
-                    ddp._ddp_backward_task = torch._C._current_graph_task_id()
-
-            self._record_backward = record
         for t in (output,) if isinstance(output, torch.Tensor) else torch.utils._pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.register_prehook(record)
+                t.grad_fn.register_prehook(self._record_backward)
 
     def _first_order(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """backward(create_graph=True): native's behaviour -- the gradient's values are averaged,
