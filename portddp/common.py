@@ -14,7 +14,7 @@ from portddp import watchdog
 from portddp.buckets import BucketPlan
 from portddp.protocol import check_same_hook
 
-__all__ = ["DDPCommon", "hook_name"]
+__all__ = ["DDPCommon", "GradBucketCommon", "hook_name"]
 
 
 def hook_name(hook) -> str:
@@ -24,6 +24,33 @@ def hook_name(hook) -> str:
         hook = hook.func
     name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None)
     return name if isinstance(name, str) else type(hook).__qualname__
+
+
+class GradBucketCommon:
+    """What a comm hook sees of one bucket in either framework: its index, its flat buffer, whether
+    it is the iteration's last, the world size, and `allreduce` on the DDP's transport. Each
+    framework's GradBucket adds the views of the buffer per parameter and the parameters."""
+
+    def __init__(self, index: int, buffer, num_buckets: int, comm):
+        self._index = index
+        self._buffer = buffer
+        self._is_last = index == num_buckets - 1
+        self._comm = comm
+        self.world_size = comm.size
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def allreduce(self, buffer):
+        """Sum `buffer` in place over all ranks on this DDP's transport; returns at once (a future
+        in PyTorch, a Handle in JAX)."""
+        return self._comm.allreduce(buffer)
 
 
 class DDPCommon:

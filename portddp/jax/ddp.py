@@ -61,7 +61,7 @@ import numpy as np
 
 from portddp import launch, malloc, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
-from portddp.common import DDPCommon, hook_name as _hook_name
+from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
@@ -102,24 +102,14 @@ JOINED = Joined()
 jax.tree_util.register_pytree_node(Joined, lambda _j: ((), None), lambda _aux, _children: JOINED)
 
 
-class GradBucket:
+class GradBucket(GradBucketCommon):
     """What a comm hook sees: one bucket's flat numpy buffer and how to reduce it (the interface
     of portddp.torch's GradBucket, on numpy)."""
 
     def __init__(self, index: int, buffer: np.ndarray, names: list[str], grads: list, num_buckets: int, comm):
-        self._index = index
-        self._buffer = buffer
+        super().__init__(index, buffer, num_buckets, comm)
         self._names = names
         self._grads = grads
-        self._is_last = index == num_buckets - 1
-        self._comm = comm
-        self.world_size = comm.size
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> np.ndarray:
-        return self._buffer
 
     def gradients(self) -> list[np.ndarray]:
         """One view of the bucket buffer per parameter, shaped like it (canonical layout)."""
@@ -127,13 +117,6 @@ class GradBucket:
 
     def parameters(self) -> list[str]:
         return list(self._names)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def allreduce(self, array: np.ndarray) -> Handle:
-        """Sum `array` in place over all ranks on this DDP's transport; returns a Handle at once."""
-        return self._comm.allreduce(array)
 
 
 class _PlanState(NamedTuple):

@@ -59,7 +59,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
-from portddp.common import DDPCommon, hook_name as _hook_name
+from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
 from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_rebuild_order,
                               check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
@@ -78,7 +78,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class GradBucket:
+class GradBucket(GradBucketCommon):
     """What a comm hook sees: one bucket's flat buffer and how to reduce it.
 
     The interface of `torch.distributed.GradBucket` (index, buffer, gradients,
@@ -87,19 +87,9 @@ class GradBucket:
     transport for portddp's hooks."""
 
     def __init__(self, index: int, buffer: torch.Tensor, params: list, offsets: list[int], num_buckets: int, comm):
-        self._index = index
-        self._buffer = buffer
+        super().__init__(index, buffer, num_buckets, comm)
         self._params = params
         self._offsets = offsets
-        self._is_last = index == num_buckets - 1
-        self._comm = comm
-        self.world_size = comm.size
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
         """Replace the tensor `buffer()` returns (e.g. by a compressed copy), as native's does."""
@@ -113,13 +103,6 @@ class GradBucket:
 
     def parameters(self) -> list:
         return list(self._params)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Sum `tensor` in place over all ranks on this DDP's transport; returns at once."""
-        return self._comm.allreduce(tensor)
 
 
 _OWNERS: "weakref.WeakValueDictionary[int, DistributedDataParallel]" = weakref.WeakValueDictionary()
