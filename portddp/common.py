@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from portddp import watchdog
-from portddp.buckets import BucketPlan
-from portddp.protocol import check_same_hook
+from portddp.buckets import BucketPlan, rebuild_plan
+from portddp.protocol import check_rebuild_order, check_same_hook
 
 __all__ = ["DDPCommon", "GradBucketCommon", "hook_name"]
 
@@ -55,6 +57,22 @@ class GradBucketCommon:
 
 class DDPCommon:
     """Shared by portddp.torch's and portddp.jax's DistributedDataParallel."""
+
+    def _rebuild(self) -> None:
+        """Re-plan once from the order gradients really arrived in (rank 0's, broadcast): portddp.torch
+        at the forward after its first synchronised iteration, portddp.jax at the call after it."""
+        order = np.full(len(self._plan.specs), -1, np.int64)
+        if self._rebuild_order is not None:
+            order[: len(self._rebuild_order)] = self._rebuild_order
+        if self.world_size > 1:
+            self._issue("plan rebuild (rank 0's gradient order)")
+            with watchdog.waiting():
+                self._broadcast_from_first(order)
+        self._observed_order = check_rebuild_order(order.tolist(), len(order), self.rank)
+        self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
+                                        self.first_bucket_cap_mb))
+        self._rebuild_order = None
+        self._rebuilt = True
 
     def plan_state(self) -> dict:
         """The bucket plan in use and the cap it was made with, as plain JSON (what a checkpoint keeps

@@ -66,7 +66,7 @@ from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
-from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_rebuild_order, check_same_config,
+from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
                               check_same_frozen, check_same_step, check_same_specs, hook_result_error,
                               nonfinite_error, step_slot, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
@@ -1070,20 +1070,9 @@ class DistributedDataParallel(DDPCommon):
         return None, None, state, self._layout.to_tree(self._plan, reduced)
 
     # ---- rebuild/autotune
-    def _rebuild(self) -> None:
-        """Re-plan once from the order gradients really arrived in (rank 0's, broadcast), at the
-        call after the first synchronised one, as portddp.torch does at its next forward."""
-        order = np.full(len(self._layout.names), -1, np.int64)
-        if self._rebuild_order is not None:
-            order[: len(self._rebuild_order)] = self._rebuild_order
-        self._issue("plan rebuild (rank 0's gradient order)")
-        with watchdog.waiting():
-            self._comm.broadcast_([order], src=0)
-        self._observed_order = check_rebuild_order(order.tolist(), len(self._layout.names), self.rank)
-        self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
-                                        self.first_bucket_cap_mb))
-        self._rebuild_order = None
-        self._rebuilt = True
+    def _broadcast_from_first(self, order: np.ndarray) -> None:
+        """Rank 0's values of `order`, in place (_rebuild)."""
+        self._comm.broadcast_([order], src=0)
 
     def _autotune(self, now: int) -> None:
         """bucket_cap_mb="auto": the cap this call uses; re-plan when it changes (which re-traces)."""

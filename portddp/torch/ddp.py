@@ -61,7 +61,7 @@ from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name
 from portddp.config import DDPConfig
-from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_rebuild_order,
+from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header,
                               check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
                               check_same_step, hook_result_error, nonfinite_error, step_slot,
                               unused_parameters_error)
@@ -911,20 +911,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._used_last = bytes(1 if c else 0 for c in totals[:len(self._params)])
 
     # ---- rebuild/autotune
-    def _rebuild(self) -> None:
-        """Re-plan once from the order gradients really arrived in (rank 0's, broadcast)."""
-        order = torch.full((len(self._params),), -1, dtype=torch.int64)
-        if self._rebuild_order is not None:
-            order[: len(self._rebuild_order)] = torch.tensor(self._rebuild_order, dtype=torch.int64)
-        if self.world_size > 1:
-            self._issue("plan rebuild (rank 0's gradient order)")
-            with watchdog.waiting():
-                self._comm.broadcast_([order], src=0)
-        self._observed_order = check_rebuild_order(order.tolist(), len(self._params), self.rank)
-        self._install_plan(rebuild_plan(self._plan, self._observed_order, self.bucket_cap_mb,
-                                        self.first_bucket_cap_mb))
-        self._rebuild_order = None
-        self._rebuilt = True
+    def _broadcast_from_first(self, order) -> None:
+        """Rank 0's values of the int64 numpy array `order`, in place (_rebuild)."""
+        self._comm.broadcast_([torch.from_numpy(order)], src=0)
 
     def _autotune(self, now: int) -> None:
         """bucket_cap_mb="auto": the cap this iteration uses; re-plan (observed order) when it changes."""
