@@ -299,7 +299,7 @@ def init(
     watchdog: watch the other ranks on this host and exit (code 70, naming the lost
         rank) as soon as one dies, instead of hanging in a collective (portddp.watchdog).
     """
-    global _WORLD
+    global _WORLD, _WATCHDOG_DECLINED
     w = detect()
     if world_size is not None and world_size != w.size:
         raise RuntimeError(
@@ -314,6 +314,7 @@ def init(
     if torch_distributed:
         _init_c10d(w, backend or "gloo", timeout_s)
     _WORLD = w
+    _WATCHDOG_DECLINED = not watchdog
     if watchdog and w.size > 1:
         # Before jax.distributed: a rank that fails to start it (e.g. its port taken) then stops the
         # others, instead of leaving them waiting for its coordinator until the timeout.
@@ -324,6 +325,21 @@ def init(
 
 
 _WATCHDOG = None
+_WATCHDOG_DECLINED = False  # portddp.init(watchdog=False)
+
+
+def ensure_watchdog() -> None:
+    """Start portddp.watchdog from a DistributedDataParallel's construction when portddp.init() did
+    not (a torchrun-style script that calls init_process_group itself, or a transport="mpi" script
+    that calls nothing): without it a rank that raises or ends early leaves the others waiting in
+    MPI's shared memory forever (c10d: until its timeout). The construction's config check is a
+    collective of every rank at the same point; the watchdog's address exchange runs beside it. Not
+    after portddp.init(watchdog=False) or with PORTDDP_WATCHDOG=0."""
+    w = world()
+    if _WATCHDOG is not None or _WATCHDOG_DECLINED or w.size == 1:
+        return
+    dist = sys.modules.get("torch.distributed")
+    _start_watchdog(w, torch_distributed=dist is not None and dist.is_available() and dist.is_initialized())
 
 
 def allgather_object(obj, *, name: str | None = None) -> list:

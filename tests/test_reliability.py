@@ -26,23 +26,24 @@ IMPLS = ("torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled")
 WORKER = [sys.executable, "-m", "tests.workers.rank_failure"]
 
 
-def _start(impl: str, out: Path, launcher: str, mode: str = "kill") -> list[subprocess.Popen]:
+def _start(impl: str, out: Path, launcher: str, mode: str = "kill", *extra: str) -> list[subprocess.Popen]:
     common = {"cwd": mpi.ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True,
               "start_new_session": True}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if launcher == "mpirun":
-        return [subprocess.Popen([mpi.mpirun_path(), "-n", "3", *WORKER, impl, str(out), mode], env=env, **common)]
+        return [subprocess.Popen([mpi.mpirun_path(), "-n", "3", *WORKER, impl, str(out), mode, *extra], env=env,
+                                 **common)]
     port = str(_free_port())
-    return [subprocess.Popen([*WORKER, impl, str(out), mode], **common, env={
+    return [subprocess.Popen([*WORKER, impl, str(out), mode, *extra], **common, env={
         **env, "RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "3",
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}) for r in range(3)]
 
 
-def kill_mid_backward(impl: str, out: Path, launcher: str, mode: str = "kill"):
+def kill_mid_backward(impl: str, out: Path, launcher: str, mode: str = "kill", *extra: str):
     """SIGKILL the last rank where it parks inside backward (mode "kill"; with "raise" it raises
     there by itself). Returns (exit statuses and outputs of the processes the test started,
     seconds from the kill until they all ended, every rank's pid)."""
-    procs = _start(impl, out, launcher, mode)
+    procs = _start(impl, out, launcher, mode, *extra)
     try:
         deadline = time.monotonic() + 180
         while not (out / "victim").exists():
@@ -122,6 +123,20 @@ def test_under_mpirun_the_job_ends_at_once_naming_the_lost_rank(impl, tmp_path):
     assert f"portddp: rank 2 (pid {pids[2]} on " in output or "BAD TERMINATION" in output, output[-3000:]
     assert_no_orphans(pids)
     assert not set(glob.glob("/dev/shm/mpich_shm_*")) - before, "the killed job left MPICH's segment behind"
+
+
+@pytest.mark.parametrize("impl", ("torch-c10d", "torch-mpi"))
+def test_without_portddp_init_a_rank_that_raises_still_stops_the_others_naming_it(impl, tmp_path):
+    """A drop-in script never calls portddp.init() (torchrun-style: its own init_process_group; or
+    transport="mpi" and nothing): the DDP's construction starts the watchdog. Before, transport="mpi"
+    left the others waiting in MPI's shared memory for ever, and the raising rank in MPI_Finalize."""
+    [(rc, output)], elapsed, pids = kill_mid_backward(impl, tmp_path, "mpirun", "raise", "noinit")
+    assert rc != 0 and elapsed < 60, output[-3000:]
+    assert "RuntimeError: a bug on the last rank only" in output, output[-3000:]
+    for rank in (0, 1):
+        assert re.search(rf"portddp: rank 2 \(pid {pids[2]} on .*\) failed with RuntimeError: a bug on the last rank "
+                         rf"only.*; rank {rank} exits now \(code {EXIT_CODE}\)", output), output[-3000:]
+    assert_no_orphans(pids)
 
 
 # ------------------------------------------------------- determinism, checkpoint/resume

@@ -198,6 +198,7 @@ class DistributedDataParallel(DDPCommon):
         specs = self._specs(params)
 
         if strategy != "pmap":  # (pmap: one process, nobody to compare with)
+            launch.ensure_watchdog()  # (unless portddp.init() started it, or was told not to)
             mine = config.exchanged(transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})")
             # (as portddp.torch's: what changes the collectives each rank issues)
             mine["jax"] = {"broadcast_buffers": bool(broadcast_buffers)}

@@ -239,6 +239,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         specs = self._specs()
 
         if process_group is None:  # (a custom group's members are the caller's business)
+            launch.ensure_watchdog()  # (unless portddp.init() started it, or was told not to)
             # What changes the collectives each rank issues (a difference would hang, or mix them up).
             mine = config.exchanged() | {"torch": {
                 "broadcast_buffers/forward_sync_buffers": bool(forward_sync_buffers), "init_sync": bool(init_sync),
@@ -522,11 +523,16 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         names = [n for n, p in named.items() if p.requires_grad and n not in self.parameters_to_ignore]
         added = [n for n in names if n not in self._names]
         gone = [n for n in self._names if n not in names]
+        wrapped = dict(zip(self._names, self._params))
+        replaced = [n for n in names if n in wrapped and named[n] is not wrapped[n]]
         raise RuntimeError(
             f"the module's trainable parameters changed after DistributedDataParallel wrapped it: "
-            f"{len(self._params)} then, {len(now)} now (added: {added[:5] or 'none'}, gone or replaced: "
-            f"{gone[:5] or 'none'}). Finish building the model (and setting requires_grad) before wrapping it, "
-            "or wrap the new model in a new DistributedDataParallel"
+            f"{len(self._params)} then, {len(now)} now (added: {added[:5] or 'none'}, gone: {gone[:5] or 'none'}, "
+            f"replaced by new Parameter objects: {replaced[:5] or 'none'}). Finish building the model (and setting "
+            "requires_grad) before wrapping it, or wrap the new model in a new DistributedDataParallel"
+            + ("; load_state_dict(..., assign=True) and `module.name = nn.Parameter(...)` replace the objects whose "
+               "gradients DDP reduces: load into them (assign=False, or `with torch.no_grad(): p.copy_(...)`), or "
+               "wrap after loading" if replaced else "")
             + ("; a parameter frozen after wrapping (requires_grad_(False)) is simply unused with "
                "find_unused_parameters=True, as in native DDP" if gone and not added and not self.find_unused_parameters
                and all(n in named for n in gone) else "")

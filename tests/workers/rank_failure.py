@@ -1,11 +1,13 @@
 """A job that loses a rank in the middle of a backward pass (tests/test_reliability.py).
 
-    mpirun -n 3 python -m tests.workers.rank_failure <impl> <dir> [kill|raise]
+    mpirun -n 3 python -m tests.workers.rank_failure <impl> <dir> [kill|raise] [noinit]
 
 Every rank writes its pid to <dir>/pid.<rank> and trains. On the last rank, at
 step 3, the backward pass stops in a hook after writing <dir>/victim: the test
 SIGKILLs that pid there ("kill"), or the hook raises ("raise": a bug on one
-rank only). What the surviving ranks do next is under test.
+rank only). What the surviving ranks do next is under test. With "noinit"
+(PyTorch only) the script never calls portddp.init(): torchrun-style, its own
+init_process_group for c10d, nothing at all for transport="mpi".
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ import portddp
 
 IMPL, OUT = sys.argv[1], Path(sys.argv[2])
 MODE = sys.argv[3] if len(sys.argv) > 3 else "kill"
-WORLD = portddp.init(jax_distributed=IMPL == "jax-compiled")
+if "noinit" in sys.argv[4:]:
+    WORLD = portddp.launch.detect()
+    if IMPL == "torch-c10d":
+        import torch.distributed as dist
+
+        import portddp.torch  # noqa: F401 (under mpirun: torchrun's variables, as a drop-in script gets them)
+
+        dist.init_process_group("gloo")
+else:
+    WORLD = portddp.init(jax_distributed=IMPL == "jax-compiled")
 (OUT / f"pid.{WORLD.rank}").write_text(str(os.getpid()))
 VICTIM = WORLD.size - 1
 STEPS = 10_000  # "forever": the test ends the job

@@ -113,6 +113,11 @@ def run(case: str, transport: str) -> None:
         ddp = DistributedDataParallel(model, transport=transport)
         model.append(nn.Linear(4, 2))
         ddp(torch.randn(2, 4))
+    elif case == "replaced_after_wrap":  # same names and shapes, new objects: native leaves their gradients unreduced
+        model = nn.Sequential(nn.Linear(4, 4))
+        ddp = DistributedDataParallel(model, transport=transport)
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        ddp(torch.randn(2, 4))
     elif case == "nonfinite":
         ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), transport=transport,
                                       check_finite=True)
