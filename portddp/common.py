@@ -9,6 +9,7 @@ lives here, and both classes inherit it.
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from portddp import watchdog
 from portddp.buckets import BucketPlan, rebuild_plan
 from portddp.protocol import check_rebuild_order, check_same_hook
 
-__all__ = ["DDPCommon", "GradBucketCommon", "hook_name"]
+__all__ = ["DDPCommon", "GradBucketCommon", "hook_name", "hook_settings"]
 
 
 def hook_name(hook) -> str:
@@ -26,6 +27,25 @@ def hook_name(hook) -> str:
         hook = hook.func
     name = getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None)
     return name if isinstance(name, str) else type(hook).__qualname__
+
+
+_POWERSGD_SETTINGS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
+                      "use_error_feedback", "warm_start", "orthogonalization_epsilon", "batch_tensors_with_same_shape")
+
+
+def hook_settings(state) -> dict[str, str]:
+    """What of a comm hook's state every rank must share ({} if nothing known): PowerSGD's settings
+    (PyTorch's PowerSGDState and portddp.jax's) and where its random generator stands -- ranks that
+    differ there compress with other matrices of other shapes (a Gloo abort, a hang, or silently
+    wrong sums). Other states may legitimately differ across ranks (a rank's own number)."""
+    if not hasattr(state, "matrix_approximation_rank"):
+        return {}
+    settings = {k: repr(getattr(state, k)) for k in _POWERSGD_SETTINGS if hasattr(state, k)}
+    rng = getattr(state, "rng", None)
+    if isinstance(rng, np.random.RandomState):
+        _, key, pos, *_ = rng.get_state()
+        settings["rng (random_seed, draws so far)"] = f"{hashlib.sha256(key.tobytes()).hexdigest()[:8]}@{pos}"
+    return settings
 
 
 class GradBucketCommon:
@@ -109,9 +129,9 @@ class DDPCommon:
 
     def _agree_on_hook(self) -> None:
         """Once, before the first bucket is reduced: the same comm hook (or none) on every rank."""
-        name = hook_name(self._hook) if self._hook is not None else None
+        mine = None if self._hook is None else (hook_name(self._hook), hook_settings(self._hook_state))
         if self.world_size > 1:
             self._issue("comm hook check")
             with watchdog.waiting():
-                check_same_hook(self._comm.allgather_object(name), self.rank)
+                check_same_hook(self._comm.allgather_object(mine), self.rank)
         self._hooks_agreed = True

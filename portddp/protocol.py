@@ -242,16 +242,28 @@ def hook_result_error(hook: str, bucket: int, got: str, size: int, dtype: str, f
         "summary of it")
 
 
-def check_same_hook(everyone: Sequence[str | None], rank: int) -> None:
+def check_same_hook(everyone: Sequence[tuple[str, dict] | None], rank: int) -> None:
     """Raise on every rank if the comm hooks registered differ across ranks (checked once, at the
-    first synchronised iteration, before any bucket is reduced)."""
-    if len(set(everyone)) <= 1:
+    first synchronised iteration, before any bucket is reduced). Each rank's entry: None (no hook)
+    or (the hook's name, the settings of its state every rank must share: common.hook_settings)."""
+    names = [None if e is None else e[0] for e in everyone]
+    if len(set(names)) > 1:
+        where = ", ".join(f"rank {r}: {h or 'none'}" for r, h in enumerate(names))
+        raise RuntimeError(
+            f"comm hooks differ across ranks ({where}; this is rank {rank}): every rank must call "
+            "register_comm_hook with the same hook before the first backward (a hook registered on some ranks "
+            "only reduces buckets of other sizes than the others', which MPI and Gloo cannot pair)")
+    if names[0] is None:
         return
-    where = ", ".join(f"rank {r}: {h or 'none'}" for r, h in enumerate(everyone))
-    raise RuntimeError(
-        f"comm hooks differ across ranks ({where}; this is rank {rank}): every rank must call "
-        "register_comm_hook with the same hook before the first backward (a hook registered on some ranks "
-        "only reduces buckets of other sizes than the others', which MPI and Gloo cannot pair)")
+    first = everyone[0][1]
+    for r, (_, settings) in enumerate(everyone):
+        for key in sorted(set(first) & set(settings)):  # (both frameworks' PowerSGD: the settings they share)
+            if first[key] != settings[key]:
+                raise RuntimeError(
+                    f"comm hook {names[0]}'s state differs across ranks: {key} is {first[key]} on rank 0 but "
+                    f"{settings[key]} on rank {r} (this is rank {rank}). Every rank must register the hook with "
+                    "the same settings, random_seed included: PowerSGD's ranks must compress alike, or their sums "
+                    "mix matrices of other shapes (Gloo aborts, MPI hangs) or other random projections (silently)")
 
 
 def buffer_sync_header(iterations: int, synchronises: bool, syncs: int) -> list[int]:

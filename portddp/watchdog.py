@@ -111,6 +111,7 @@ class _Progress:
     waiters = 0
     waiting_since: float | None = None
     waiting_for = ""
+    waiting_computes = False  # the wait is a compiled program that also computes (portddp.jax compiled)
     idle_since = time.monotonic()
     lock = threading.Lock()
 
@@ -135,16 +136,17 @@ def current() -> str:
 
 
 class _Waiting:
-    __slots__ = ("name",)
+    __slots__ = ("name", "computes")
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, computes: bool):
+        self.name, self.computes = name, computes
 
     def __enter__(self):
         p = _PROGRESS
         with p.lock:
             if p.waiters == 0:
                 p.waiting_since, p.waiting_for = time.monotonic(), self.name or p.names[p.seq % _RING]
+                p.waiting_computes = self.computes
             p.waiters += 1
         return self
 
@@ -161,11 +163,12 @@ class _Waiting:
         return False
 
 
-def waiting(name: str = ""):
+def waiting(name: str = "", computes: bool = False):
     """Context manager: this thread is blocked waiting for collective(s) -- e.g. around a
-    future's or handle's wait(). `name` defaults to the last collective issued. A shared no-op
-    when the watchdog is off."""
-    return _NULL if _ACTIVE is None else _Waiting(name)
+    future's or handle's wait(). `name` defaults to the last collective issued. `computes`: the
+    wait is a program that computes as well as communicates (portddp.jax's compiled step), so every
+    rank in it at once for long is a long step, not a stall. A shared no-op when the watchdog is off."""
+    return _NULL if _ACTIVE is None else _Waiting(name, computes)
 
 
 def _my_state(rank: int) -> dict:
@@ -176,6 +179,7 @@ def _my_state(rank: int) -> dict:
     return {"rank": rank, "seq": seq, "names": {str(k): p.names[k % _RING] for k in range(max(1, seq - _RING + 1),
                                                                                              seq + 1)},
             "waiting": None if since is None else round(now - since, 3), "waiting_for": p.waiting_for,
+            "computes": since is not None and p.waiting_computes,
             "idle": None if since is not None else round(now - p.idle_since, 3),
             "iterations": _STEPS.completed, "in_iteration": _STEPS.busy}
 
@@ -189,6 +193,9 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
     stalled = sorted(r for r, s in live.items() if s["waiting"] is not None and s["waiting"] >= stall_s)
     if not stalled:
         return None
+    if (not departed and all(s["waiting"] is not None and s.get("computes") for s in live.values())
+            and len(live) == len(states) and len({s["seq"] for s in live.values()}) == 1):
+        return None  # every rank inside the same compiled step: a long step, still running
     names = {r: {int(k): v for k, v in s["names"].items()} for r, s in live.items()}
     top = max(s["seq"] for s in live.values())
 

@@ -225,17 +225,41 @@ def test_frozen_lists_compared_only_when_a_pytorch_rank_sends_them():
 # ---- check_same_hook
 
 def test_same_hooks_pass():
-    check_same_hook(["fp16_compress_hook", "fp16_compress_hook"], rank=0)
+    check_same_hook([("fp16_compress_hook", {}), ("fp16_compress_hook", {})], rank=0)
     check_same_hook([None, None], rank=1)
 
 
 def test_different_hooks_name_every_rank_and_the_fix():
     with pytest.raises(RuntimeError) as e:
-        check_same_hook(["fp16_compress_hook", None, "fp16_compress_hook"], rank=1)
+        check_same_hook([("fp16_compress_hook", {}), None, ("fp16_compress_hook", {})], rank=1)
     msg = str(e.value)
     assert "comm hooks differ across ranks (rank 0: fp16_compress_hook, rank 1: none, rank 2: fp16_compress_hook; " \
            "this is rank 1)" in msg
     assert "register_comm_hook with the same hook before the first backward" in msg
+
+
+def test_a_powersgd_state_that_differs_across_ranks_is_named_setting_by_setting():
+    """The same hook, other settings (or another random_seed): Gloo aborted on the shapes, MPI hung,
+    or -- another seed alone -- the ranks summed other random projections, silently."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState  # noqa: PLC0415
+
+    from portddp.common import hook_settings  # noqa: PLC0415
+    from portddp.jax.hooks import PowerSGDState as JaxPowerSGDState  # noqa: PLC0415
+
+    def entry(**kw):
+        return "powerSGD_hook", hook_settings(PowerSGDState(process_group=None, **kw))
+
+    check_same_hook([entry(matrix_approximation_rank=2), entry(matrix_approximation_rank=2)], rank=0)
+    with pytest.raises(RuntimeError, match=r"comm hook powerSGD_hook's state differs across ranks: "
+                                           r"matrix_approximation_rank is 1 on rank 0 but 2 on rank 1 \(this is rank 0\)"):
+        check_same_hook([entry(matrix_approximation_rank=1), entry(matrix_approximation_rank=2)], rank=0)
+    with pytest.raises(RuntimeError, match=r"rng \(random_seed, draws so far\) is \w+@624 on rank 0 but \w+@624 on rank 2"):
+        check_same_hook([entry(), entry(), entry(random_seed=7)], rank=1)
+    # PyTorch's and portddp.jax's PowerSGD in one job compare the settings they share
+    jax_side = "powerSGD_hook", hook_settings(JaxPowerSGDState(start_powerSGD_iter=1_000))
+    check_same_hook([entry(start_powerSGD_iter=1_000), jax_side], rank=0)
+    # other states are not compared (a rank may keep its own number there)
+    check_same_hook([("my_hook", hook_settings({"rank": 0})), ("my_hook", hook_settings({"rank": 1}))], rank=0)
 
 
 # ---- buffer sync header

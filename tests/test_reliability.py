@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from portddp.launch import _free_port
+from portddp import watchdog
 from portddp.watchdog import EXIT_CODE, pid_alive
 from tests import mpi
 
@@ -218,12 +219,14 @@ def _rank_lines(output: str, n: int, pattern: str, code: int = EXIT_CODE) -> Non
         assert re.search(pattern + rf".*; rank {r} exits now \(code {code}\)", output), f"rank {r}:\n{output[-4000:]}"
 
 
-@pytest.mark.parametrize("case", ["late", "desync", "mismatch"])
+@pytest.mark.parametrize("case", ["late", "desync", "mismatch", "compiled"])
 def test_stalls_and_mismatched_collectives_stop_every_rank_naming_who_is_where(case, tmp_path):
     """PORTDDP_STALL_S=2. late: rank 1 sleeps 10 s before a collective the others wait in -- all stop
     within ~5 s, every rank printing the same table with rank 1 behind. desync: rank 0 waits in
     'iteration 3 bucket 0', rank 1 in 'checkpoint save'. mismatch: the ranks meet in one allgather under
-    different names -- an error on every rank at once, no stall needed."""
+    different names -- an error on every rank at once, no stall needed. compiled: portddp.jax's compiled
+    step (one XLA program that computes and communicates) on rank 0 while rank 1 sleeps before its own
+    (until 2026-12-05 no rank was ever reported: the job waited as long as rank 1 did, forever if it hung)."""
     n = 3 if case == "late" else 2
     start = time.monotonic()
     proc = mpi.run(n, "tests.workers.stall", case, str(tmp_path), timeout=60, env={"PORTDDP_STALL_S": "2"})
@@ -245,11 +248,34 @@ def test_stalls_and_mismatched_collectives_stop_every_rank_naming_who_is_where(c
                                r"'iteration 2 unused-count'")
         assert len(re.findall(r"\n  1 +pid \d+ on .* 2 +#2 .iteration 1 config. +computing for \d+\.\d s <- behind", output)) == n, \
             output[-4000:]
+    elif case == "compiled":
+        assert elapsed < 60, elapsed  # ~2 s of stall + jax.distributed's start-up
+        _rank_lines(output, n, r"stall: rank 0 waited \d+\.\d s \(over PORTDDP_STALL_S=2\).*rank 1 is behind: "
+                               r"rank 1's last collective is #\d+ 'iteration 2: compiled step'.*rank 0 is in #\d+ "
+                               r"'iteration 3: compiled step'")
     elif case == "desync":
         _rank_lines(output, n, r"stall: .*the ranks issued different collectives: collective #3 is 'iteration 3 "
                                r"bucket 0' on rank 0 but 'checkpoint save' on rank 1")
     pids = [int((tmp_path / f"pid.{r}").read_text()) for r in range(n)]
     assert_no_orphans(pids)
+
+
+def _state(rank, seq, waiting, computes=False, name="iteration 3: compiled step"):
+    return {"rank": rank, "seq": seq, "names": {str(seq): name}, "waiting": waiting, "waiting_for": name,
+            "computes": computes, "idle": None if waiting is not None else 9.0, "iterations": 2,
+            "in_iteration": True}
+
+
+def test_a_long_compiled_step_on_every_rank_is_not_a_stall_but_a_rank_behind_it_is():
+    """portddp.jax's compiled step computes inside the wait: every rank in the same one for longer
+    than PORTDDP_STALL_S is a long step; a rank that has not entered it is behind; a plain collective
+    every rank waits in that long is still reported."""
+    long_step = {0: _state(0, 9, 30.0, computes=True), 1: _state(1, 9, 29.0, computes=True)}
+    assert watchdog.stall_report(long_step, 5.0) is None
+    behind = {0: _state(0, 9, 30.0, computes=True), 1: _state(1, 8, None, name="iteration 2: compiled step")}
+    assert "rank 1 is behind" in watchdog.stall_report(behind, 5.0)
+    plain = {r: _state(r, 9, 30.0, name="iteration 3: bucket 0") for r in (0, 1)}
+    assert "the collective itself does not complete" in watchdog.stall_report(plain, 5.0)
 
 
 @pytest.mark.parametrize("target", ["rank", "mpirun"])

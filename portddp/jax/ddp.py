@@ -406,8 +406,10 @@ class DistributedDataParallel(DDPCommon):
             if "reduce" not in self._steps:
                 self._steps["reduce"] = compiled.make_reduce(self.strategy, self._plan, self._layout, self.world_size)
             watchdog.step_started()
-            out, counts = self._steps["reduce"](grads, step_slot(self._step_count))
-            jax.block_until_ready(out)
+            self._issue("compiled reduce")
+            with watchdog.waiting(computes=True):
+                out, counts = self._steps["reduce"](grads, step_slot(self._step_count))
+                jax.block_until_ready(out)
             watchdog.step_finished()
             if counts is not None:
                 check_same_step(counts, self.rank)
@@ -534,8 +536,10 @@ class DistributedDataParallel(DDPCommon):
                                                             self.world_size, self.broadcast_buffers)
             t0 = _now()
             watchdog.step_started()
-            *out, counts = step.run(static, params, state, batch, scale, step_slot(self._step_count))
-            jax.block_until_ready(out[-1])
+            self._issue(f"{self.strategy} step")  # (the stall inspector's name for the program's collectives)
+            with watchdog.waiting(computes=True):
+                *out, counts = step.run(static, params, state, batch, scale, step_slot(self._step_count))
+                jax.block_until_ready(out[-1])
             watchdog.step_finished()
             self._hlo, self._iteration_time = step.hlo, (_now() - t0) * 1e-9
             self._iterations += 1

@@ -8,6 +8,8 @@ desync    rank 0 waits in "iteration 3 bucket 0" (on a duplicate communicator, a
 mismatch  the ranks meet in one MPI allgather under different names (no stall: the objects would
           be wrong)
 sigterm   JAX-distributed ranks that loop in collectives until SIGTERMed (the test sends it)
+compiled  portddp.jax strategy="compiled": rank 1 sleeps 10 s before its third step while the
+          others are already inside theirs (one XLA program, computing and then waiting)
 
 The collectives are driven through portddp.launch.allgather_object (instrumented) and
 portddp.watchdog.collective/waiting directly.
@@ -24,12 +26,15 @@ import portddp
 from portddp import launch, watchdog
 
 CASE = sys.argv[1]
-WORLD = portddp.init(torch_distributed=False, jax_distributed=CASE == "sigterm")
+WORLD = portddp.init(torch_distributed=False, jax_distributed=CASE in ("sigterm", "compiled"))
 if len(sys.argv) > 2:
     Path(sys.argv[2], f"pid.{WORLD.rank}").write_text(str(os.getpid()))
 
 
 def main() -> None:
+    if CASE == "compiled":
+        compiled_steps()
+        return
     launch.allgather_object(WORLD.rank, name="iteration 1 config")
     if CASE == "late":
         if WORLD.rank == 1:
@@ -59,6 +64,21 @@ def main() -> None:
             launch.allgather_object(float(jnp.sum(jnp.ones(4))), name=f"iteration {i}")
             time.sleep(0.05)
     print(f"rank {WORLD.rank} finished", flush=True)
+
+
+def compiled_steps() -> None:
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from portddp.jax import DistributedDataParallel  # noqa: PLC0415
+
+    params = {"w": jnp.ones((8, 4))}
+    ddp = DistributedDataParallel(params, strategy="compiled")
+    params = ddp.broadcast(params)
+    grad_fn = ddp.value_and_grad(lambda p, x: jnp.mean((x @ p["w"]) ** 2))
+    for step in range(3):
+        if WORLD.rank == 1 and step == 2:
+            time.sleep(10)
+        grad_fn(params, jnp.ones((4, 8)))
 
 
 main()
