@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 
 import numpy as np
 
 from portddp import watchdog
 from portddp.buckets import BucketPlan, rebuild_plan
-from portddp.protocol import check_rebuild_order, check_same_hook
+from portddp.protocol import check_rebuild_order, check_same_hook, ddp_number
 
-__all__ = ["DDPCommon", "GradBucketCommon", "hook_name", "hook_settings"]
+__all__ = ["DDPCommon", "GradBucketCommon", "hook_name", "hook_settings", "next_ddp_number"]
+
+_BUILT = itertools.count(1)  # the world-wide DistributedDataParallels this process built, both frameworks
+
+
+def next_ddp_number() -> int:
+    """The number (protocol.ddp_number) of the world-wide DDP built now, in its step slots: ranks
+    that reduce different DDPs at one collective are named (see protocol.check_same_step)."""
+    return ddp_number(next(_BUILT))
 
 
 def hook_name(hook) -> str:

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 
 __all__ = ["SHADOW", "buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_frozen",
            "check_same_hook",
-           "check_same_specs", "check_same_step", "hook_result_error", "nonfinite_error", "step_slot",
+           "check_same_specs", "check_same_step", "ddp_number", "hook_result_error", "nonfinite_error", "step_slot",
            "unused_parameters_error"]
 
 
@@ -151,13 +151,15 @@ def unused_parameters_error(names: Sequence[str], counts: Sequence[int], world: 
     )
 
 
-def nonfinite_error(everyone: Sequence[Sequence[str]], rank: int) -> FloatingPointError:
-    """The error every rank raises when check_finite found NaN/Inf in some rank's local gradients."""
+def nonfinite_error(everyone: Sequence[Sequence[str]], rank: int, kept: str = ".grad was left as it was") \
+        -> FloatingPointError:
+    """The error every rank raises when check_finite found NaN/Inf in some rank's local gradients;
+    `kept`: what became of this step's gradients (JAX: none are returned)."""
     where = "; ".join(f"rank {r}: {', '.join(_name(n) for n in names[:5])}" + (" ..." if len(names) > 5 else "")
                       for r, names in enumerate(everyone) if names)
     return FloatingPointError(
-        f"non-finite gradients (NaN or Inf) found by check_finite -- {where} (this is rank {rank}). .grad was "
-        "left as it was; look at the loss and the inputs of those ranks, lower the learning rate, or skip the step"
+        f"non-finite gradients (NaN or Inf) found by check_finite -- {where} (this is rank {rank}). {kept}; "
+        "look at the loss and the inputs of those ranks, lower the learning rate, or skip the step"
     )
 
 
@@ -185,28 +187,54 @@ def check_same_buffers(everyone: Sequence[Sequence]) -> None:
 SHADOW = 0  # the step slot of a rank that shadows the others in join(): not compared
 
 
-def step_slot(step: int) -> int:
+_STEP_BITS = 20  # a step slot: the DDP's number above these bits, the step count + 1 in them
+_STEP_MASK = (1 << _STEP_BITS) - 1
+
+
+def ddp_number(built: int) -> int:
+    """What a DistributedDataParallel puts in the upper bits of its step slots: 1-15 from the order
+    the process built its world-wide DDPs in (`built` = 1, 2, ...; the 16th is 1 again), 0 for one
+    over a subgroup (not compared)."""
+    return 1 + (built - 1) % 15 if built > 0 else 0
+
+
+def step_slot(step: int, ddp: int = 0) -> int:
     """What a training rank puts in its slot of the step exchange: its step count + 1, so that a
     rank that has not run a step yet (a JAX ddp.reduce() before any grad_fn call) is compared
-    too; 0 (SHADOW) is left to join() shadows."""
-    return step + 1
+    too (modulo 2**20 - 1); 0 (SHADOW) is left to join() shadows. Above it, `ddp` (ddp_number):
+    which of the process's DistributedDataParallels reduces here. Below 2**24, so exact where the
+    slots travel in a float32 bucket's tail."""
+    return (ddp << _STEP_BITS) + step % _STEP_MASK + 1
 
 
 def check_same_step(slots: Sequence[int], rank: int) -> None:
-    """Raise on every rank if the ranks reached this reduction at different steps.
+    """Raise on every rank if the ranks reached this reduction at different steps, or with other
+    DistributedDataParallels.
 
-    `slots` holds each rank's `step_slot(step count)` (SHADOW: a rank that shadows the others in
-    join(), not compared), exchanged in the per-iteration "used" collective or, for JAX's compiled
-    strategy, gathered inside the program. A step is a forward with autograd on through the
-    wrapper (no_sync ones included; JAX: a grad_fn call). A rank that ran one step locally that
-    the others synchronised would otherwise average its step k+1 with the others' step k from then
-    on, silently. (A rank that skips a whole step looks like one with fewer batches: the watchdog
-    names it when it ends.) PORTDDP_CHECK_STEPS=0 turns the check off."""
-    counted = {n for n in slots if n != SHADOW}
-    if len(counted) <= 1 or os.environ.get("PORTDDP_CHECK_STEPS", "1") == "0":
+    `slots` holds each rank's `step_slot(step count, its DDP's number)` (SHADOW: a rank that
+    shadows the others in join(), not compared), exchanged in the per-iteration "used" collective
+    or, for JAX's compiled strategy, gathered inside the program. A step is a forward with autograd
+    on through the wrapper (no_sync ones included; JAX: a grad_fn call). A rank that ran one step
+    locally that the others synchronised would otherwise average its step k+1 with the others'
+    step k from then on, silently; ranks that run two DDPs' backward passes in other orders (a
+    GAN's discriminator first on one rank, its generator first on another) sum one model's buckets
+    with the other's. (A rank that skips a whole step looks like one with fewer batches: the
+    watchdog names it when it ends.) PORTDDP_CHECK_STEPS=0 turns the step check off (not the DDP
+    check)."""
+    counted = [(r, int(n)) for r, n in enumerate(slots) if n != SHADOW]
+    ddps = {n >> _STEP_BITS for _, n in counted}
+    if len(ddps) > 1 and 0 not in ddps:
+        where = ", ".join(f"rank {r} its DistributedDataParallel #{n >> _STEP_BITS}" for r, n in counted)
+        raise RuntimeError(
+            f"the ranks reduced different DistributedDataParallels here ({where}, numbered in the order each "
+            f"process built them, modulo 15; this is rank {rank}): their buckets were summed with another model's. "
+            "Every rank must run its DDPs' backward passes in the same order (a GAN: the discriminator's loss, then "
+            "the generator's, on every rank) and build them in the same order")
+    steps = {n & _STEP_MASK for _, n in counted}
+    if len(steps) <= 1 or os.environ.get("PORTDDP_CHECK_STEPS", "1") == "0":
         return
-    where = ", ".join(f"rank {r} at step {n - 1}" for r, n in enumerate(slots) if n != SHADOW)
-    never = [r for r, n in enumerate(slots) if n == step_slot(0)]
+    where = ", ".join(f"rank {r} at step {(n & _STEP_MASK) - 1}" for r, n in counted)
+    never = [r for r, n in counted if n & _STEP_MASK == 1]
     raise RuntimeError(
         f"ranks reached this gradient reduction at different steps ({where}; this is rank {rank}; a step is a "
         "forward with autograd on through the wrapper, no_sync ones included -- JAX: a grad_fn call): some rank "

@@ -129,7 +129,8 @@ BAD = [
     ("cap_differs", r"DistributedDataParallel arguments differ across ranks: bucket_cap_mb is 25\.0 on rank 0 but "
                     r"5\.0 on rank 1; every rank must pass the same bucket_cap_mb"),
     ("strategy_differs", r"transport is 'mpi' on rank 0 but \"xla \(strategy='compiled'\)\" on rank 1"),
-    ("nonfinite", r"non-finite gradients \(NaN or Inf\) found by check_finite -- rank 1: .*\['enc'\]\['w'\]"),
+    ("nonfinite", r"non-finite gradients \(NaN or Inf\) found by check_finite -- rank 1: .*\['enc'\]\['w'\].*grad_fn "
+                  r"returned no gradients for this step"),
     ("check_finite_compiled", r"check_finite=True needs strategy='hooked'"),
     ("compiled_without_jax_distributed", r"strategy='compiled' sees 1 JAX process\(es\) but the job has 2 ranks: "
                                          r"call portddp\.init\(jax_distributed=True\)"),

@@ -44,6 +44,7 @@ CASES = {
     "step_here_reduce_there_compiled": STEPS.format(2, 1),
     "same_local_steps_compiled": r"OK steps=2 max_abs=",
     "steps_in_one_jit": r"OK max_rel=",
+    "two_ddps_in_one_jit": r"OK max_rel=",
     "held_gradients_lent": r"OK held=4 zero_copy=True$",
     "dropped_ddp_is_freed": r"OK freed=3 shm_back=True$",
     "program_outlives_its_ddp": r"RuntimeError: the portddp\.jax DistributedDataParallel this compiled program was "
@@ -103,3 +104,29 @@ def test_a_raising_comm_hook_is_named_on_its_rank_and_stops_the_others():
     assert re.search(r"portddp: rank 1 .* failed with RuntimeError: comm hook .*flaky_hook raised ValueError", out), \
         out[-3000:]
     assert "CpuCallback error" not in out, out[-3000:]
+
+
+def test_synchronised_steps_in_two_traces_are_refused_not_mixed():
+    """One synchronised grad_fn inside lax.scan and one after it, in one jit (or an inner jit called
+    twice): nothing can order the two, and the second iteration used to open over the first --
+    silently wrong gradients. The rank that sees the overlap raises naming it and the fix; the
+    others stop (the same error, or the watchdog naming that rank)."""
+    proc = mpi.run(2, "tests.workers.jax_misuse", "overlap", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(r"RuntimeError: a synchronised grad_fn step of portddp\.jax \(strategy='hooked'\) began on rank "
+                     r"\d while this DistributedDataParallel's step \(iteration \d+\) was still reducing its "
+                     r"gradients: .*Call every synchronised grad_fn of a program in the same trace", out), out[-3000:]
+
+
+def test_hooked_grad_fn_under_shard_map_or_pmap_over_several_devices_is_refused_on_every_rank():
+    proc = mpi.run(2, "tests.workers.jax_misuse", "mapped", timeout=120,
+                   env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = dict(((name, int(rank)), outcome) for name, rank, outcome in re.findall(r"CASE (\S+) rank=(\d) (.*)",
+                                                                                   proc.stdout))
+    for name, axes in (("shard_map", r"\{'d': 2\}"), ("pmap", r"\{'_internal_pmap_axis_name': 2\}")):
+        for rank in range(2):
+            assert re.search(r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) cannot run under jax\.pmap or "
+                             rf"jax\.shard_map over several of this process's devices \(mapped axes here: {axes}\).*"
+                             r"Run one rank per device", got.get((name, rank), "(missing)")), (name, rank, got)

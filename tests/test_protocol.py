@@ -12,7 +12,7 @@ import pytest
 
 from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_rebuild_order,
                               check_same_buffers, check_same_config,
-                              check_same_frozen, check_same_hook, check_same_specs, check_same_step,
+                              check_same_frozen, check_same_hook, check_same_specs, check_same_step, ddp_number,
                               nonfinite_error, step_slot, unused_parameters_error)
 
 CONFIG = {"bucket_cap_mb": 25.0, "first_bucket_cap_mb": 1.0, "transport": "mpi", "check_finite": False}
@@ -192,6 +192,22 @@ def test_different_steps_name_each_rank_and_the_fixes(step_check_on):
     assert "before running any step" not in msg
 
 
+def test_ranks_that_reduce_different_ddps_are_named_whatever_their_steps(monkeypatch):
+    """A GAN whose discriminator's backward runs first on rank 0 and the generator's first on rank 1:
+    each rank's slot carries its DDP's number (the order the process built it in), at the same step."""
+    monkeypatch.setenv("PORTDDP_CHECK_STEPS", "0")  # (the DDP check stays on)
+    check_same_step([step_slot(4, ddp_number(2)), step_slot(4, ddp_number(2))], rank=0)
+    with pytest.raises(RuntimeError, match=r"the ranks reduced different DistributedDataParallels here \(rank 0 its "
+                                           r"DistributedDataParallel #1, rank 1 its DistributedDataParallel #2, .*"
+                                           r"this is rank 1\).*in the same order"):
+        check_same_step([step_slot(4, ddp_number(1)), step_slot(4, ddp_number(2))], rank=1)
+    check_same_step([step_slot(4, ddp_number(17)), SHADOW, step_slot(4, ddp_number(2))], rank=0)  # 17 -> #2
+    check_same_step([step_slot(4, ddp_number(1)), step_slot(4, ddp_number(0))], rank=0)  # a subgroup's: not compared
+    # exact as float32 (the c10d tail): the largest slot is below 2**24
+    assert step_slot(2**20 - 2, ddp_number(15)) < 2**24
+    assert step_slot(10**9, ddp_number(3)) == step_slot(10**9 % (2**20 - 1), ddp_number(3))
+
+
 def test_a_rank_that_never_stepped_is_compared_and_named(step_check_on):
     """Step 0 is a count like any other (a join() shadow has a slot of its own): a rank reducing
     before any step beside one that stepped is refused, naming it."""
@@ -253,7 +269,8 @@ def test_a_powersgd_state_that_differs_across_ranks_is_named_setting_by_setting(
     with pytest.raises(RuntimeError, match=r"comm hook powerSGD_hook's state differs across ranks: "
                                            r"matrix_approximation_rank is 1 on rank 0 but 2 on rank 1 \(this is rank 0\)"):
         check_same_hook([entry(matrix_approximation_rank=1), entry(matrix_approximation_rank=2)], rank=0)
-    with pytest.raises(RuntimeError, match=r"rng \(random_seed, draws so far\) is \w+@624 on rank 0 but \w+@624 on rank 2"):
+    with pytest.raises(RuntimeError, match=r"rng \(random_seed, draws so far\) is \w+@624 on rank 0 but \w+@624 on "
+                                           r"rank 2"):
         check_same_hook([entry(), entry(), entry(random_seed=7)], rank=1)
     # PyTorch's and portddp.jax's PowerSGD in one job compare the settings they share
     jax_side = "powerSGD_hook", hook_settings(JaxPowerSGDState(start_powerSGD_iter=1_000))

@@ -61,7 +61,7 @@ import numpy as np
 
 from portddp import launch, malloc, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
-from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name
+from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
@@ -187,7 +187,6 @@ class DistributedDataParallel(DDPCommon):
         self.check_finite = config.check_finite
         self._iterations = 0  # synchronised iterations finished
         self._step_count = 0  # grad_fn calls (sync=False ones included), compared across ranks at every reduction
-        self._traced_done = None  # the last traced synchronised step's end (see _after_previous_iteration)
         self._local_params = None  # the parameters of the last eager sync=False step, while values may differ
         self._buffers_agreed = False  # buffer specs agreed across ranks (first synchronised call): _agree_on_start
         self._step_counted = False  # this eager call counted already (else its traced program counts it)
@@ -227,7 +226,7 @@ class DistributedDataParallel(DDPCommon):
         self._stale_used = None  # the used-count handle of an iteration that failed before its gathers
         self._hook_state = None
         self._lock = threading.Lock()  # XLA may run independent host callbacks on different threads
-        self._callback_errors: list = []  # what the last eager step's host callbacks raised
+        self._callback_errors: list = _CallbackErrors(self)  # what the last eager step's host callbacks raised
         self._tracing_fired: set | None = None  # while a hooked step is traced: the taps whose backward ran
         self._plans: dict[str, _PlanState] = {}
         self._lent = False  # an eager hooked step has lent bucket buffers to the caller (_lend)
@@ -242,6 +241,8 @@ class DistributedDataParallel(DDPCommon):
         self._hooks_agreed = False  # the first synchronised iteration compares comm hooks across ranks
         self._iteration_time = 0.0  # compiled, pmap: seconds of the last step
         self._hlo: dict = {}  # compiled, pmap: what XLA made of the last step
+        # (in its step slots: which of the process's DDPs reduces, as portddp.torch's)
+        self._ddp_number = next_ddp_number() if strategy != "pmap" else 0
 
     # ---- construction
     def _specs(self, tree) -> list[ParamSpec]:
@@ -408,7 +409,7 @@ class DistributedDataParallel(DDPCommon):
             watchdog.step_started()
             self._issue("compiled reduce")
             with watchdog.waiting(computes=True):
-                out, counts = self._steps["reduce"](grads, step_slot(self._step_count))
+                out, counts = self._steps["reduce"](grads, step_slot(self._step_count, self._ddp_number))
                 jax.block_until_ready(out)
             watchdog.step_finished()
             if counts is not None:
@@ -538,7 +539,8 @@ class DistributedDataParallel(DDPCommon):
             watchdog.step_started()
             self._issue(f"{self.strategy} step")  # (the stall inspector's name for the program's collectives)
             with watchdog.waiting(computes=True):
-                *out, counts = step.run(static, params, state, batch, scale, step_slot(self._step_count))
+                *out, counts = step.run(static, params, state, batch, scale,
+                                        step_slot(self._step_count, self._ddp_number))
                 jax.block_until_ready(out[-1])
             watchdog.step_finished()
             self._hlo, self._iteration_time = step.hlo, (_now() - t0) * 1e-9
@@ -568,6 +570,8 @@ class DistributedDataParallel(DDPCommon):
                     "own), or use strategy='hooked', which can be traced into jit and scan")
             if traced and sync and taps.transformation((params, state, batch)) == "jax.vmap":
                 raise ValueError(taps.UNDER_VMAP)  # (vmap of a jit: taps.host_call refuses it when batched)
+            if traced and sync and self.strategy == "hooked" and (axes := taps.mapped_over_devices()):
+                raise ValueError(taps.UNDER_MAP.format(axes=axes))
             if sync and not self._buffers_agreed:
                 self._agree_on_start(state, step=True)
             if traced and self.strategy == "hooked":
@@ -620,7 +624,14 @@ class DistributedDataParallel(DDPCommon):
                     raise
                 raise self._callback_errors[0] from None  # portddp's own message, not XLA's wrapper
 
-        return step
+        def ended_on_error(*args):
+            try:
+                return step(*args)
+            except BaseException:  # (a call that failed ended whatever iteration it opened: eager, or
+                _OPEN.release(self)  # run op by op under the caller's jax.grad before it was refused)
+                raise
+
+        return ended_on_error
 
     def _trace_iteration(self, fn):
         """The hooked synchronised step as one traceable program, in the order a gradient travels:
@@ -686,10 +697,10 @@ class DistributedDataParallel(DDPCommon):
             dead.extend(b for b in range(len(self._plan.buckets)) if b not in fired)
             # `launched` depends on every live tap's callback: this one runs after the last launch.
             if lend:  # (grads: the scalar to wait for; the step hands the buckets back itself)
-                self._traced_done = None
+                _TRACED.done = None
                 return loss, aux, new_state, taps.host_call(
                     taps.reporting(finish_lent, errors), jax.ShapeDtypeStruct((), jnp.float32), launched)
-            *reduced, self._traced_done = taps.host_call(
+            *reduced, _TRACED.done = taps.host_call(
                 taps.reporting(finish, errors), [*_reduced_shapes(self._plan), jax.ShapeDtypeStruct((), jnp.float32)],
                 launched, fills=True)
             return loss, aux, new_state, self._layout.to_tree(self._plan, reduced)
@@ -699,10 +710,12 @@ class DistributedDataParallel(DDPCommon):
     def _after_previous_iteration(self):
         """The value a traced iteration starts from: 0, or -- when the previous synchronised step
         was traced into the same program (two grad_fn calls in one jax.jit: steps unrolled, SAM's
-        two gradients) -- the scalar that step's last callback returns. Host callbacks run in
-        data order only, so without it the second step's could open its iteration while the
-        first one's gradients are still being reduced, mixing the two."""
-        done, self._traced_done = self._traced_done, None
+        two gradients; a GAN's two DistributedDataParallels, which share one transport) -- the
+        scalar that step's last callback returns. Host callbacks run in data order only, so without
+        it the second step's could open its iteration while the first one's gradients are still
+        being reduced, mixing the two. (Steps in different traces -- one inside jax.lax.scan or an
+        inner jax.jit, one outside -- cannot be chained: _begin_iteration refuses the overlap.)"""
+        done, _TRACED.done = _TRACED.done, None
         if done is not None and taps.in_current_trace(done):
             return done
         return jnp.float32(0)
@@ -792,6 +805,7 @@ class DistributedDataParallel(DDPCommon):
         iteration packs into a set of buffers no array lent earlier still uses.
         The watchdog learns that a synchronised iteration is under way (a peer that already left
         before reaching it stops this rank, naming it, instead of leaving it waiting)."""
+        _OPEN.claim(self)
         self._buffers = self._free_buffers()  # (what an earlier eager step lent may be in use still)
         if self._stale_used is not None:  # a failed iteration's used counts (see _finalize)
             stale, self._stale_used = self._stale_used, None
@@ -918,6 +932,13 @@ class DistributedDataParallel(DDPCommon):
         """After the computation: launch the rest, wait in plan order, copying each reduced bucket
         into `outs` as it arrives (one array per parameter, plan order; None: the caller reads
         self._buffers), agree on the used counts."""
+        try:
+            self._reduce_and_check(outs)
+        finally:
+            _OPEN.release(self)
+
+    def _reduce_and_check(self, outs: list[np.ndarray] | None) -> None:
+        """(_finalize, while this iteration holds _OPEN.)"""
         for b in [b for b, ready in enumerate(self._ready) if not ready]:
             self._mark_ready(b, None)  # only a safety net: taps that cannot fire were found at trace time
         with self._lock:
@@ -975,7 +996,7 @@ class DistributedDataParallel(DDPCommon):
         together."""
         used = np.zeros(len(flags) + self.world_size, np.int32)
         used[:len(flags)] = flags
-        used[len(flags) + self.rank] = step_slot(self._step_count)
+        used[len(flags) + self.rank] = step_slot(self._step_count, self._ddp_number)
         if self.world_size == 1:
             return Handle.completed(used)
         self._issue("used-count")
@@ -989,7 +1010,7 @@ class DistributedDataParallel(DDPCommon):
         self._issue("non-finite gradients' names")
         with watchdog.waiting():
             everyone = self._comm.allgather_object(mine)
-        raise nonfinite_error(everyone, self.rank)
+        raise nonfinite_error(everyone, self.rank, "grad_fn returned no gradients for this step")
 
     def _fill(self, b: int, outs: list[np.ndarray]) -> None:
         """Reduced bucket b into `outs` (one array per parameter of it, in plan order: XLA's result
@@ -1115,6 +1136,65 @@ def _reduced_shapes(plan: BucketPlan) -> list:
     """What the host hands back into a traced program: one array per parameter, in plan order."""
     return [jax.ShapeDtypeStruct(plan.specs[k].shape, jnp.dtype(plan.specs[k].dtype))
             for bucket in plan.buckets for k in bucket.params]
+
+
+class _Traced:
+    """The end of the last synchronised hooked step traced in this process, by any DDP: the next
+    one traced into the same program starts from it (_after_previous_iteration)."""
+
+    done = None
+
+
+_TRACED = _Traced()
+
+
+class _OpenIteration:
+    """The hooked iteration under way in this process, if any. Every DDP of the process reduces on
+    one transport, whose collectives pair across ranks in the order they are issued: two
+    iterations under way at once -- of one DDP or of two -- issue theirs in an order XLA's
+    scheduling decides, which need not be another rank's, and sums would mix one iteration's
+    buckets with the other's (silently, at equal sizes). Refused instead, on the rank that sees it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: tuple | None = None  # (weak reference to the DDP, its iteration number)
+
+    def claim(self, ddp) -> None:
+        with self._lock:
+            if self._owner is not None and self._owner[0]() is not None:  # (a collected DDP's is over)
+                other, it = self._owner
+                who = "this DistributedDataParallel" if other() is ddp else "another DistributedDataParallel"
+                raise RuntimeError(
+                    f"a synchronised grad_fn step of portddp.jax (strategy='hooked') began on rank {ddp.rank} while "
+                    f"{who}'s step (iteration {it}) was still reducing its gradients: two synchronised steps "
+                    "traced into one program that it cannot order -- one inside jax.lax.scan or an inner jax.jit "
+                    "and one outside it, an inner jit called twice, or grad_fn under jax.pmap/shard_map. Their "
+                    "collectives would pair with other buckets on other ranks. Call every synchronised grad_fn of "
+                    "a program in the same trace (no inner jit around it; all inside the scan or all outside), or "
+                    "take the earlier gradients with sync=False and reduce them with ddp.reduce() (or an earlier "
+                    "call in this program failed midway: build the DistributedDataParallel anew)")
+            self._owner = (weakref.ref(ddp), ddp._iterations + 1)
+
+    def release(self, ddp) -> None:
+        with self._lock:
+            if self._owner is not None and self._owner[0]() in (ddp, None):
+                self._owner = None
+
+
+_OPEN = _OpenIteration()
+
+
+class _CallbackErrors(list):
+    """What a DDP's host callbacks raised (grad_fn raises the first, in portddp's words). A callback
+    that raised ended its iteration: the next may begin."""
+
+    def __init__(self, ddp):
+        super().__init__()
+        self._ddp = weakref.ref(ddp)
+
+    def append(self, error) -> None:
+        super().append(error)
+        _OPEN.release(self._ddp())
 
 
 _JOINED_OUTSIDE = ("grad_fn got JOINED as the batch outside a step of ddp.uneven() in which some rank has joined: "

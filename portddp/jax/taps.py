@@ -23,14 +23,33 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-__all__ = ["UNDER_JVP", "UNDER_VMAP", "checked_loss", "host_call", "host_tap", "in_current_trace", "reporting",
-           "start_token", "traced", "transformation"]
+__all__ = ["UNDER_JVP", "UNDER_MAP", "UNDER_VMAP", "checked_loss", "host_call", "host_tap", "in_current_trace",
+           "mapped_over_devices", "reporting", "start_token", "traced", "transformation"]
 
 UNDER_VMAP = (
     "portddp.jax grad_fn (strategy='hooked') cannot run under jax.vmap: its collectives are host callbacks "
     "that reduce one set of gradients per synchronised step, and vmap would run them once per mapped element "
     "(every rank averaging the wrong gradients). Call grad_fn once per step on this rank's whole batch -- vmap "
     "inside loss_fn is fine -- or loop over steps with a Python loop or jax.lax.scan")
+
+
+UNDER_MAP = (
+    "portddp.jax grad_fn (strategy='hooked') cannot run under jax.pmap or jax.shard_map over several of this "
+    "process's devices (mapped axes here: {axes}): its collectives are host callbacks that reduce one set of "
+    "gradients per process and step, and a mapped program calls them once per device (every rank would average "
+    "mixed gradients). Run one rank per device (mpirun -n <devices>, one device each), or use "
+    "strategy='compiled', whose psum spans every device of every process")
+
+
+def mapped_over_devices() -> dict[str, int]:
+    """The named axes of an enclosing jax.pmap / jax.shard_map (or named vmap) whose size exceeds 1,
+    when this process has more than one device -- {} otherwise (one device per process: the
+    host callbacks run once per process whatever the mesh)."""
+    from jax._src import core  # noqa: PLC0415 -- no public way to ask for the axes in scope
+
+    if jax.local_device_count() < 2:
+        return {}
+    return {name: size for name, size in core.get_axis_env().axis_sizes.items() if size > 1}
 
 
 def host_call(callback, result, *args, fills: bool = False):

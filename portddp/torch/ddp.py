@@ -59,7 +59,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
-from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name
+from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
 from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header,
                               check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
@@ -292,6 +292,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._take_over_parameters()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
+        # (in its step slots: which of the process's DDPs reduces; a subgroup's is not compared)
+        self._ddp_number = next_ddp_number() if process_group is None else 0
 
     def __setattr__(self, name: str, value) -> None:
         # The per-iteration bookkeeping (flags, counters, bucket events) is set a few dozen times a
@@ -701,7 +703,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if b == len(self._bucket_buffers) - 1 and self._carries_used():
             # (every gradient is in, or counted missing, by the time the last bucket goes out)
             _put_counts(self._tail, self._local_flags(), 2 * len(self._params), self.rank,
-                        step_slot(self._step_count))
+                        step_slot(self._step_count, self._ddp_number))
             buffer = self._last_full
         self._futures[b] = self._reduce_bucket(b, buffer, ev)
 
@@ -834,7 +836,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         slot in its own place (protocol.step_slot; a join() shadow's SHADOW is not compared): one
         small all-reduce that lets every rank fail together."""
         used = torch.empty(len(flags) + self.world_size, dtype=torch.int32)
-        _put_counts(used, flags, len(flags), self.rank, SHADOW if shadow else step_slot(self._step_count))
+        _put_counts(used, flags, len(flags), self.rank,
+                    SHADOW if shadow else step_slot(self._step_count, self._ddp_number))
         if self.world_size == 1:
             return _done(used)
         self._issue("used-count")

@@ -3,6 +3,8 @@ run by tests/test_jax_misuse.py:
 
     mpirun -n 2 python -m tests.workers.jax_misuse            # every in-process case, one line each
     mpirun -n 2 python -m tests.workers.jax_misuse hook_raises # rank 1's comm hook raises: the job ends
+    mpirun -n 2 python -m tests.workers.jax_misuse overlap     # two synchronised steps in two traces
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 mpirun -n 2 python -m tests.workers.jax_misuse mapped
 
 Each in-process case prints `CASE <name> rank=<r> <outcome>` on every rank, where the outcome
 is `OK <detail>` or `<ExceptionType>: <message>`; every case fails (or succeeds) alike on every
@@ -16,8 +18,9 @@ import sys
 
 import portddp
 
-HOOK_RAISES = sys.argv[1:2] == ["hook_raises"]
-WORLD = portddp.init(torch_distributed=False, jax_distributed=not HOOK_RAISES)
+MODE = sys.argv[1] if len(sys.argv) > 1 else "cases"
+HOOK_RAISES = MODE == "hook_raises"
+WORLD = portddp.init(torch_distributed=False, jax_distributed=MODE == "cases")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -85,6 +88,62 @@ def steps_in_one_jit():
         worst = max(worst, rel(jax.jit(fn)(params, batch(0), batch(1)), eager))
     assert worst < 1e-6, worst
     return f"max_rel={worst:.1e}"
+
+
+def two_ddps_in_one_jit():
+    """Legal: two DistributedDataParallels (a GAN's two models) whose grad_fns share one jax.jit,
+    with other amounts of work per rank: each gets its own mean. Their steps share one transport;
+    XLA ordered their host callbacks as each rank's timing fell, and the ranks summed one DDP's
+    buckets with the other's (at equal sizes, silently)."""
+    pa, pb = init_params(), jax.tree.map(lambda x: x * 2, init_params())
+    ga = DistributedDataParallel(pa, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
+    gb = DistributedDataParallel(pb, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(
+        lambda p, x: jnp.mean(jnp.sin(x @ p["enc"]["w"] - p["enc"]["b"]) @ p["dec"]["w"]) ** 2)
+    rows_a, rows_b = (300, 3) if WORLD.rank == 0 else (3, 300)  # A's buckets ready first on rank 1, B's on rank 0
+    xa, xb = batch(0, rows_a), batch(1, rows_b)
+    eager = ga(pa, xa)[1], gb(pb, xb)[1]
+    both = jax.jit(lambda pa, pb, xa, xb: (ga(pa, xa)[1], gb(pb, xb)[1]))(pa, pb, xa, xb)
+    worst = max(rel(both[0], eager[0]), rel(both[1], eager[1]))
+    assert worst < 1e-6, worst
+    return f"max_rel={worst:.1e}"
+
+
+def steps_in_two_traces():
+    """Refused: one synchronised step inside lax.scan, one after it, in one jit -- they cannot be
+    chained, and the second used to open its iteration over the first's (silently wrong sums).
+    Whether a rank sees the overlap depends on XLA's scheduling: the one that does raises, the
+    others are stopped by the watchdog naming it."""
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
+
+    @jax.jit
+    def step(p, xs, x):
+        _, scanned = jax.lax.scan(lambda c, xi: (c, grad_fn(p, xi)[1]), 0, xs)
+        return scanned, grad_fn(p, x)[1]
+
+    for s in range(20):  # (a rank that happens not to overlap goes on; one that does raises)
+        jax.block_until_ready(step(params, jnp.stack([batch(s)]), batch(s + 1)))
+
+
+def grad_fn_under_shard_map():
+    """Refused at trace time on every rank: with 2 devices per process, a hooked grad_fn under
+    jax.shard_map or jax.pmap ran its host callbacks once per device (wrong sums, or a wrong
+    diagnosis)."""
+    from jax.sharding import PartitionSpec  # noqa: PLC0415
+
+    params = init_params()
+    grad_fn = DistributedDataParallel(params).value_and_grad(loss_fn)
+    mesh = jax.make_mesh((2,), ("d",), devices=jax.local_devices()[:2])
+    x = jax.device_put(batch(0, rows=4), jax.NamedSharding(mesh, PartitionSpec("d")))
+    for name, run in (("shard_map", lambda: jax.jit(jax.shard_map(
+            lambda x: grad_fn(params, x)[1], mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec()))(x)),
+                      ("pmap", lambda: jax.pmap(lambda x: grad_fn(params, x)[1])(batch(0, rows=4).reshape(2, 2, 4)))):
+        try:
+            run()
+            outcome = "OK (not refused)"
+        except ValueError as e:
+            outcome = f"ValueError: {e}"
+        os.write(1, f"CASE {name} rank={WORLD.rank} {outcome}\n".encode())
 
 
 def held_gradients_lent():
@@ -480,6 +539,7 @@ CASES = {
     "step_here_reduce_there_compiled": lambda: local_step_on_one_rank("compiled", then="reduce_on_one_rank"),
     "same_local_steps_compiled": same_local_steps_compiled,
     "steps_in_one_jit": steps_in_one_jit,
+    "two_ddps_in_one_jit": two_ddps_in_one_jit,
     "held_gradients_lent": held_gradients_lent,
     "dropped_ddp_is_freed": dropped_ddp_is_freed,
     "program_outlives_its_ddp": program_outlives_its_ddp,
@@ -517,8 +577,8 @@ def hook_raises():
 
 
 def main() -> None:
-    if HOOK_RAISES:
-        hook_raises()
+    if MODE != "cases":
+        {"hook_raises": hook_raises, "overlap": steps_in_two_traces, "mapped": grad_fn_under_shard_map}[MODE]()
         return
     for name, case in CASES.items():
         try:
