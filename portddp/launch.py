@@ -339,7 +339,8 @@ def ensure_watchdog() -> None:
     if _WATCHDOG is not None or _WATCHDOG_DECLINED or w.size == 1:
         return
     dist = sys.modules.get("torch.distributed")
-    _start_watchdog(w, torch_distributed=dist is not None and dist.is_available() and dist.is_initialized())
+    _start_watchdog(w, torch_distributed=dist is not None and dist.is_available() and dist.is_initialized(),
+                    by="DDP construction")
 
 
 def allgather_object(obj, *, name: str | None = None) -> list:
@@ -397,7 +398,8 @@ def unpack_named(got: list, name: str | None, rank: int) -> list:
     return [o for _, o in got]
 
 
-def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    by: str = "portddp.init") -> None:
     """Connect every rank to every other for portddp.watchdog, once per process."""
     global _WATCHDOG
     from portddp import watchdog  # noqa: PLC0415
@@ -407,7 +409,7 @@ def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAUL
     if w.launcher != "mpirun" and not torch_distributed:
         return  # no channel to exchange addresses on before any collective
     server, me = watchdog.listen("127.0.0.1" if _one_host(w) else (_reachable_address() or "127.0.0.1"))
-    peers = allgather_object(me, name="portddp.init: watchdog addresses")
+    peers = allgather_object(me, name=f"{by}: watchdog addresses")
     if w.launcher == "mpirun":  # every rank is past MPI_Init, attached to MPICH's segment: its name can go
         watchdog.unlink_mpi_shared_memory()
     try:

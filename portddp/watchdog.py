@@ -194,7 +194,7 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
     if not stalled:
         return None
     if (not departed and all(s["waiting"] is not None and s.get("computes") for s in live.values())
-            and len(live) == len(states) and len({s["seq"] for s in live.values()}) == 1):
+            and len(live) == len(states) and len({(s["seq"], s["waiting_for"]) for s in live.values()}) == 1):
         return None  # every rank inside the same compiled step: a long step, still running
     names = {r: {int(k): v for k, v in s["names"].items()} for r, s in live.items()}
     top = max(s["seq"] for s in live.values())

@@ -67,6 +67,7 @@ CASES = {
                   r"not built with: \['l3'\]\['bias'\].*, \['l3'\]\['kernel'\].*\. The bucket plan .* build a new one",
     "other_containers": r"ValueError: pytree structure differs .* same paths .*: got PyTreeDef\(\(\*, \*\)\), expected "
                         r"PyTreeDef\(\[\*, \*\]\)\. The bucket plan",
+    "reduce_after_a_failed_reduce": r"OK recovered$",
     "hook_not_a_handle": r"TypeError: comm hook .*not_a_handle returned ndarray for bucket 0; a hook must return a "
                          r"portddp\.transport\.Handle",
     "hook_one_element": r"RuntimeError: comm hook .*one_element's handle for bucket 0 resolved to a \(1,\) float32 "

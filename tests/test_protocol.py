@@ -208,6 +208,24 @@ def test_ranks_that_reduce_different_ddps_are_named_whatever_their_steps(monkeyp
     assert step_slot(10**9, ddp_number(3)) == step_slot(10**9 % (2**20 - 1), ddp_number(3))
 
 
+def test_every_ddp_number_survives_the_float32_tail_of_a_c10d_bucket():
+    """The used counts and step slots ride in the tail of c10d's last float32 bucket: each of the 15
+    DDP numbers comes back from it whole (a leftover modulo 2**23 there turned #8 into 'not compared'
+    and #9-#15 into #1-#7, so crossed DDPs #8 and #9 went unnoticed)."""
+    import torch  # noqa: PLC0415
+
+    from portddp.torch.ddp import _put_counts  # noqa: PLC0415
+
+    for built in range(1, 16):
+        for step in (0, 7, 2**20 - 2, 10**7):
+            tail = torch.zeros(3, dtype=torch.float32)
+            _put_counts(tail, b"", 1, 1, step_slot(step, ddp_number(built)))
+            assert int(tail[2]) == step_slot(step, ddp_number(built))
+    with pytest.raises(RuntimeError, match=r"rank 0 its DistributedDataParallel #9, rank 1 its "
+                                           r"DistributedDataParallel #8"):
+        check_same_step([float(step_slot(3, ddp_number(9))), float(step_slot(3, ddp_number(8)))], rank=0)
+
+
 def test_a_rank_that_never_stepped_is_compared_and_named(step_check_on):
     """Step 0 is a count like any other (a join() shadow has a slot of its own): a rank reducing
     before any step beside one that stepped is refused, naming it."""

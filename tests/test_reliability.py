@@ -276,6 +276,10 @@ def test_a_long_compiled_step_on_every_rank_is_not_a_stall_but_a_rank_behind_it_
     assert "rank 1 is behind" in watchdog.stall_report(behind, 5.0)
     plain = {r: _state(r, 9, 30.0, name="iteration 3: bucket 0") for r in (0, 1)}
     assert "the collective itself does not complete" in watchdog.stall_report(plain, 5.0)
+    # a step on one rank, a reduce() on the other (each a compiled program): other programs, reported
+    other = {0: _state(0, 9, 30.0, computes=True),
+             1: _state(1, 9, 30.0, computes=True, name="iteration 3: compiled reduce")}
+    assert "the ranks issued different collectives" in watchdog.stall_report(other, 5.0)
 
 
 @pytest.mark.parametrize("target", ["rank", "mpirun"])

@@ -417,9 +417,13 @@ class DistributedDataParallel(DDPCommon):
             return out
         # One synchronised iteration on the host: the same collectives as a hooked grad_fn step.
         self._step_counted = True  # (not a step: the accumulated ones were counted)
-        self._begin_iteration()
-        for b, bucket in enumerate(self._plan.buckets):
-            self._mark_ready(b, [leaves[k] for k in bucket.params])
+        try:
+            self._begin_iteration()
+            for b, bucket in enumerate(self._plan.buckets):
+                self._mark_ready(b, [leaves[k] for k in bucket.params])
+        except BaseException:
+            _OPEN.release(self)  # (failed before _finalize, which releases it itself)
+            raise
         self._finalize()
         return self._write_grads()
 

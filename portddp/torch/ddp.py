@@ -951,12 +951,11 @@ def _named_specs(named) -> list[tuple[str, tuple, str]]:
 def _put_counts(out: torch.Tensor, flags: bytes, slots_at: int, rank: int, slot: int) -> None:
     """This rank's part of the used counts: `out` = [flags][zeros up to slots_at][one step slot
     per rank], this rank's slot in its own place. The same layout travels alone (_exchange_used,
-    int32) or as the tail of c10d's last bucket (floats: the slot modulo 2**23, exact in float32)."""
+    int32) or as the tail of c10d's last bucket (floats: a step slot is below 2**24, exact in
+    float32)."""
     out.zero_()
     if flags:
         out[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
-    if out.is_floating_point() and slot != SHADOW:
-        slot = (slot - 1) % (1 << 23) + 1
     out[slots_at + rank] = slot
 
 

@@ -503,6 +503,32 @@ def with_hook(hook):
     ddp.value_and_grad(loss_fn)(params, batch(0))
 
 
+def reduce_after_a_failed_reduce():
+    """A comm hook that raises once (on every rank) in ddp.reduce(): the next reduce() and the next
+    step work (the failed reduce() used to keep the iteration marked open, refusing every later one)."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    calls = [0]
+
+    def flaky(state, bucket):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ValueError("transient")
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, flaky)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    _, local = grad_fn(params, batch(0), sync=False)
+    try:
+        ddp.reduce(local)
+        return "not raised"
+    except RuntimeError as e:
+        assert "transient" in str(e), e
+    ddp.reduce(local)
+    grad_fn(params, batch(1))
+    return "recovered"
+
+
 def not_a_handle(state, bucket):
     allreduce_hook(state, bucket).wait()
     return bucket.buffer()  # the array, not its Handle
@@ -555,6 +581,7 @@ CASES = {
     "reduce_before_any_step_compiled": lambda: reduce_before_any_step("compiled"),
     "model_grew": model_grew,
     "other_containers": other_containers,
+    "reduce_after_a_failed_reduce": reduce_after_a_failed_reduce,
     "hook_not_a_handle": lambda: with_hook(not_a_handle),
     "hook_one_element": lambda: with_hook(one_element),
     "hook_half_bucket": lambda: with_hook(half_bucket),
