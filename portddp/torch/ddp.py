@@ -238,6 +238,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self.device_type = self.device.type
         specs = self._specs()
 
+        if process_group is not None and dist.is_initialized() and \
+                process_group is dist.distributed_c10d._get_default_group():
+            process_group = None  # dist.group.WORLD passed explicitly: the world-wide DDP it is
         if process_group is None:  # (a custom group's members are the caller's business)
             launch.ensure_watchdog()  # (unless portddp.init() started it, or was told not to)
             # What changes the collectives each rank issues (a difference would hang, or mix them up).
