@@ -89,7 +89,10 @@ BAD = [
                               r"RngCount .*\): .* Keep it in the model"),
     ("key_in_params", r"leaf \['seed'\]\.value is a JAX PRNG key, which is not a parameter"),
     ("module_to_pytree_grad_fn", r"grad_fn got a Flax Net module: use ddp\.nnx_value_and_grad\(loss_fn\)"),
-    ("key_in_batch_compiled", r"a batch leaf is a JAX PRNG key: strategy='compiled' splits batch leaves"),
+    ("key_in_batch_compiled", r"batch leaf \[1\] is a JAX PRNG key: strategy='compiled' splits batch and state "
+                              r"leaves"),
+    ("scalar_in_batch_compiled", r"strategy='compiled' splits every batch leaf along its first axis over the "
+                                 r"processes, but batch leaf \[1\] is a scalar \(float32\): give it a leading batch axis"),
     ("buffers_differ", r"model buffers differ across ranks: buffer #0 is \['bn'\]\['mean'\]\.value \(16,\) float32 on "
                        r"rank 0 but \['bn'\]\['mean'\]\.value \(17,\)"),
     ("broadcast_buffers_differ", r"broadcast_buffers is True on rank 0 but False on rank 1"),

@@ -211,7 +211,9 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
         # Every process holds the same params: together they are one replicated global array.
         gparams = jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
             np.shape(x), replicated, [jax.device_put(x, mine)]), params)
-        gbatch = jax.tree.map(lambda x: _process_rows(sharded, x, "batch"), batch)
+        gbatch = jax.tree_util.tree_map_with_path(
+            lambda path, x: _process_rows(sharded, x, f"batch leaf {jax.tree_util.keystr(path) or '(the batch)'}"),
+            batch)
         gstate = jax.tree.map(lambda x: _process_rows(sharded, np.asarray(x)[None], "state"),
                               _keys_as_data(state, impls))
         args = (gparams, gstate, gbatch, _process_rows(sharded, np.asarray([steps], np.int32), "steps"))
@@ -233,15 +235,16 @@ def _counts(gathered) -> list[int]:
 
 
 def _process_rows(sharding, x, what: str):
-    """This process's rows of a global array split over the processes along axis 0."""
+    """This process's rows of a global array split over the processes along axis 0. `what` names
+    the leaf in errors ("batch leaf [1]", "state")."""
     if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
-        raise ValueError(f"a {what} leaf is a JAX PRNG key: strategy='compiled' splits {what} leaves along their "
+        raise ValueError(f"{what} is a JAX PRNG key: strategy='compiled' splits batch and state leaves along their "
                          "first axis over the processes, which a key cannot be. Keep RNG state in the model "
                          "(nnx.Rngs, carried per rank by nnx_value_and_grad)")
     x = np.asarray(x)
     if x.ndim == 0:
-        raise ValueError(f"strategy='compiled' splits every {what} leaf along its first axis over the processes, "
-                         f"but a {what} leaf is a scalar ({x.dtype}): give it a leading batch axis, or keep "
+        raise ValueError(f"strategy='compiled' splits every batch leaf along its first axis over the processes, "
+                         f"but {what} is a scalar ({x.dtype}): give it a leading batch axis, or keep "
                          "per-step constants (and RNG keys) out of the batch -- e.g. RNG state in the model")
     return jax.make_array_from_process_local_data(sharding, x)
 

@@ -28,7 +28,8 @@ if detect().size == 1:  # before JAX starts: devices for the pmap strategy
 # jax.distributed (for strategy="compiled") costs seconds to start: only where a strategy needs it.
 _BAD_CASE = sys.argv[2] if sys.argv[1:2] == ["bad"] else None
 WORLD = portddp.init(torch_distributed=False, jax_distributed=_BAD_CASE in (None, "all", "compiled_inside_jit",
-                                                                           "key_in_batch_compiled"))
+                                                                           "key_in_batch_compiled",
+                                                                           "scalar_in_batch_compiled"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -253,6 +254,9 @@ def bad(case: str) -> None:
     elif case == "key_in_batch_compiled":
         ddp = DistributedDataParallel(params, strategy="compiled")
         ddp.value_and_grad(lambda p, b: mse(p, b[0]))(params, (batch, jax.random.key(WORLD.rank)))
+    elif case == "scalar_in_batch_compiled":
+        ddp = DistributedDataParallel(params, strategy="compiled")
+        ddp.value_and_grad(lambda p, b: mse(p, b[0]) * b[1])(params, (batch, jnp.float32(0.5)))
     elif case == "buffers_differ":
         model = net(WORLD.rank, 100)
         if last:
@@ -266,7 +270,8 @@ def bad(case: str) -> None:
 
 
 BAD_CASES = ("tuple_loss_without_has_aux", "nnx_tuple_loss_without_has_aux", "has_aux_without_pair", "compiled_inside_jit", "rngs_captured_outside",
-             "key_in_params", "module_to_pytree_grad_fn", "key_in_batch_compiled", "buffers_differ",
+             "key_in_params", "module_to_pytree_grad_fn", "key_in_batch_compiled", "scalar_in_batch_compiled",
+             "buffers_differ",
              "broadcast_buffers_differ")
 
 
