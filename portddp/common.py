@@ -16,7 +16,7 @@ import numpy as np
 
 from portddp import watchdog
 from portddp.buckets import BucketPlan, rebuild_plan
-from portddp.protocol import check_rebuild_order, check_same_hook, ddp_number
+from portddp.protocol import check_rebuild_order, check_same_hook, ddp_number, step_slot
 
 __all__ = ["DDPCommon", "GradBucketCommon", "hook_name", "hook_settings", "next_ddp_number"]
 
@@ -86,6 +86,11 @@ class GradBucketCommon:
 
 class DDPCommon:
     """Shared by portddp.torch's and portddp.jax's DistributedDataParallel."""
+
+    def _step_slot(self) -> int:
+        """This rank's entry in the step exchange of a reduction: its step count and this DDP's
+        number (protocol.step_slot)."""
+        return step_slot(self._step_count, self._ddp_number)
 
     def _rebuild(self) -> None:
         """Re-plan once from the order gradients really arrived in (rank 0's, broadcast): portddp.torch

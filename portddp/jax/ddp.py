@@ -68,7 +68,7 @@ from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
 from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
                               check_same_frozen, check_same_step, check_same_specs, hook_result_error,
-                              nonfinite_error, step_slot, unused_parameters_error)
+                              nonfinite_error, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
 
@@ -409,7 +409,7 @@ class DistributedDataParallel(DDPCommon):
             watchdog.step_started()
             self._issue("compiled reduce")
             with watchdog.waiting(computes=True):
-                out, counts = self._steps["reduce"](grads, step_slot(self._step_count, self._ddp_number))
+                out, counts = self._steps["reduce"](grads, self._step_slot())
                 jax.block_until_ready(out)
             watchdog.step_finished()
             if counts is not None:
@@ -421,10 +421,9 @@ class DistributedDataParallel(DDPCommon):
             self._begin_iteration()
             for b, bucket in enumerate(self._plan.buckets):
                 self._mark_ready(b, [leaves[k] for k in bucket.params])
-        except BaseException:
-            _OPEN.release(self)  # (failed before _finalize, which releases it itself)
-            raise
-        self._finalize()
+            self._finalize()
+        finally:
+            _OPEN.release(self)  # (also when it failed before _finalize, which releases it itself)
         return self._write_grads()
 
     def uneven(self, batches, divide_by_initial_world_size: bool = True, throw_on_early_termination: bool = False):
@@ -543,8 +542,7 @@ class DistributedDataParallel(DDPCommon):
             watchdog.step_started()
             self._issue(f"{self.strategy} step")  # (the stall inspector's name for the program's collectives)
             with watchdog.waiting(computes=True):
-                *out, counts = step.run(static, params, state, batch, scale,
-                                        step_slot(self._step_count, self._ddp_number))
+                *out, counts = step.run(static, params, state, batch, scale, self._step_slot())
                 jax.block_until_ready(out[-1])
             watchdog.step_finished()
             self._hlo, self._iteration_time = step.hlo, (_now() - t0) * 1e-9
@@ -1000,7 +998,7 @@ class DistributedDataParallel(DDPCommon):
         together."""
         used = np.zeros(len(flags) + self.world_size, np.int32)
         used[:len(flags)] = flags
-        used[len(flags) + self.rank] = step_slot(self._step_count, self._ddp_number)
+        used[len(flags) + self.rank] = self._step_slot()
         if self.world_size == 1:
             return Handle.completed(used)
         self._issue("used-count")
@@ -1157,7 +1155,9 @@ class _OpenIteration:
     one transport, whose collectives pair across ranks in the order they are issued: two
     iterations under way at once -- of one DDP or of two -- issue theirs in an order XLA's
     scheduling decides, which need not be another rank's, and sums would mix one iteration's
-    buckets with the other's (silently, at equal sizes). Refused instead, on the rank that sees it."""
+    buckets with the other's (silently, at equal sizes). Refused instead, on the rank that sees it.
+    (portddp.torch has no counterpart: autograd runs its hooks in an order every rank shares, and
+    two DDPs reduced in other orders on different ranks are named by the step slots' DDP number.)"""
 
     def __init__(self):
         self._lock = threading.Lock()

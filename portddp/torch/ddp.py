@@ -63,7 +63,7 @@ from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name,
 from portddp.config import DDPConfig
 from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header,
                               check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
-                              check_same_step, hook_result_error, nonfinite_error, step_slot,
+                              check_same_step, hook_result_error, nonfinite_error,
                               unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
@@ -705,8 +705,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         buffer = self._bucket_buffers[b]
         if b == len(self._bucket_buffers) - 1 and self._carries_used():
             # (every gradient is in, or counted missing, by the time the last bucket goes out)
-            _put_counts(self._tail, self._local_flags(), 2 * len(self._params), self.rank,
-                        step_slot(self._step_count, self._ddp_number))
+            _put_counts(self._tail, self._local_flags(), 2 * len(self._params), self.rank, self._step_slot())
             buffer = self._last_full
         self._futures[b] = self._reduce_bucket(b, buffer, ev)
 
@@ -839,8 +838,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         slot in its own place (protocol.step_slot; a join() shadow's SHADOW is not compared): one
         small all-reduce that lets every rank fail together."""
         used = torch.empty(len(flags) + self.world_size, dtype=torch.int32)
-        _put_counts(used, flags, len(flags), self.rank,
-                    SHADOW if shadow else step_slot(self._step_count, self._ddp_number))
+        _put_counts(used, flags, len(flags), self.rank, SHADOW if shadow else self._step_slot())
         if self.world_size == 1:
             return _done(used)
         self._issue("used-count")

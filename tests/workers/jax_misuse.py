@@ -90,6 +90,12 @@ def steps_in_one_jit():
     return f"max_rel={worst:.1e}"
 
 
+def report(name: str, outcome: str) -> None:
+    """`CASE <name> rank=<r> <outcome>` in one write() (mpirun does not split it when it merges the
+    ranks' output)."""
+    os.write(1, f"CASE {name} rank={WORLD.rank} {outcome}\n".encode())
+
+
 def two_ddps_in_one_jit():
     """Legal: two DistributedDataParallels (a GAN's two models) whose grad_fns share one jax.jit,
     with other amounts of work per rank: each gets its own mean. Their steps share one transport;
@@ -143,7 +149,7 @@ def grad_fn_under_shard_map():
             outcome = "OK (not refused)"
         except ValueError as e:
             outcome = f"ValueError: {e}"
-        os.write(1, f"CASE {name} rank={WORLD.rank} {outcome}\n".encode())
+        report(name, outcome)
 
 
 def held_gradients_lent():
@@ -612,8 +618,7 @@ def main() -> None:
             outcome = f"OK {case() or ''}"
         except Exception as e:  # the message is what is under test
             outcome = f"{type(e).__name__}: {e}"
-        # one write() per line: mpirun does not split it when it merges the ranks' output
-        os.write(1, f"CASE {name} rank={WORLD.rank} {outcome}\n".encode())
+        report(name, outcome)
     get_transport().barrier()  # leave together
 
 
