@@ -1090,7 +1090,16 @@ class DistributedDataParallel(DDPCommon):
 
         shapes = _reduced_shapes(self._plan)
         if taps.traced(params):
-            reduced = taps.host_call(taps.reporting(shadow, self._callback_errors), shapes, *buffers, fills=True)
+            # Chained like a step (_after_previous_iteration): two shadows in one program -- two
+            # grad_fn calls in one jit -- run in the order the other ranks' steps do, one at a time.
+            def traced_shadow(outs, _previous, *buffers):
+                outs[-1][...] = 0
+                shadow(outs[:-1], *buffers)
+
+            *reduced, _TRACED.done = taps.host_call(
+                taps.reporting(traced_shadow, self._callback_errors),
+                [*shapes, jax.ShapeDtypeStruct((), jnp.float32)], self._after_previous_iteration(), *buffers,
+                fills=True)
         else:
             reduced = [np.empty(s.shape, s.dtype) for s in shapes]
             shadow(reduced, *buffers)

@@ -114,6 +114,36 @@ def two_ddps_in_one_jit():
     return f"max_rel={worst:.1e}"
 
 
+def uneven_steps_in_one_jit():
+    """Legal: two synchronised grad_fn calls in one jax.jit (two micro-batches averaged, then the
+    first's update feeding the second) under ddp.uneven(), rank 0 running out two steps early: the
+    jitted loop gives the eager loop's parameters. A joined rank's two shadow iterations in one
+    program are chained like steps (nothing else orders them for XLA)."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    sgd = lambda p, g: jax.tree.map(lambda a, b: a - 0.1 * b, p, g)  # noqa: E731
+
+    def two_micro(p, x0, x1):
+        return sgd(p, jax.tree.map(lambda a, b: (a + b) / 2, grad_fn(p, x0)[1], grad_fn(p, x1)[1]))
+
+    def unrolled(p, x0, x1):
+        return sgd(sgd(p, grad_fn(p, x0)[1]), grad_fn(p, x1)[1])
+
+    pairs = [(batch(2 * s), batch(2 * s + 1)) for s in range(2 + 2 * WORLD.rank)]
+    worst = 0.0
+    for fn in (two_micro, unrolled):
+        out = {}
+        for mode, run in (("eager", fn), ("jit", jax.jit(fn))):
+            p = params
+            for b in ddp.uneven(pairs):
+                p = run(p, *((b, b) if b is ddp.JOINED else b))
+            out[mode] = p
+        worst = max(worst, rel(out["jit"], out["eager"]))
+    assert worst < 1e-6, worst
+    return f"max_rel={worst:.1e}"
+
+
 def steps_in_two_traces():
     """Refused: one synchronised step inside lax.scan, one after it, in one jit -- they cannot be
     chained, and the second used to open its iteration over the first's (silently wrong sums).
@@ -572,6 +602,7 @@ CASES = {
     "same_local_steps_compiled": same_local_steps_compiled,
     "steps_in_one_jit": steps_in_one_jit,
     "two_ddps_in_one_jit": two_ddps_in_one_jit,
+    "uneven_steps_in_one_jit": uneven_steps_in_one_jit,
     "held_gradients_lent": held_gradients_lent,
     "dropped_ddp_is_freed": dropped_ddp_is_freed,
     "program_outlives_its_ddp": program_outlives_its_ddp,
