@@ -77,6 +77,15 @@ def test_has_aux(two_ranks, pmap_world, strategy):
         assert row["nnx_aux"] == [8, 3] and row["nnx_grads_type"] == "State", row
 
 
+
+@pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
+def test_variables_holding_python_numbers_are_carried_through_the_step(two_ranks, pmap_world, strategy):
+    """nnx.Variable(0) / nnx.Variable(0.5) updated by the forward (a step counter): three steps update
+    them three times on every rank (compiled and pmap raised AttributeError on a leaf without a dtype)."""
+    for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"python_numbers/{strategy}")[1]:
+        assert row["calls"] == 3 and row["decay"] == 0.5 ** 4 and row["max_rel"] <= 1e-12, row
+
+
 BAD = [
     ("tuple_loss_without_has_aux", r"TypeError: loss_fn must return a scalar; 'returns_pair' returned a tuple of 2 "
                                    r"values: to return \(loss, aux\) pass has_aux=True"),

@@ -115,6 +115,12 @@ def _reducer(plan: BucketPlan, layout: Layout, world: int):
     return reduced
 
 
+def _state_arrays(state):
+    """The step's per-rank state with every leaf an array: an nnx.Variable may hold a Python number
+    (a step counter), which crosses the program as a 0-d array (as through a jitted hooked step)."""
+    return jax.tree.map(lambda x: x if hasattr(x, "dtype") else jnp.asarray(x), () if state is None else state)
+
+
 def _key_impls(tree) -> tuple:
     """Per leaf of `tree`: the PRNG implementation of a typed key array, else None (hashable)."""
     return tuple(jax.random.key_impl(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else None
@@ -170,7 +176,7 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
 
     if strategy == "pmap":
         def step(static, params, state, batch, scale=None, steps=0):  # noqa: ARG001 -- one process: no joins, one count
-            state = () if state is None else state
+            state = _state_arrays(state)
             impls = _key_impls(state)
             fn_ = programs.get((static, impls))
             if fn_ is None:
@@ -197,7 +203,7 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
         """`scale` (ddp.uneven() while some rank has joined): this process's weight, 1 or 0 (joined);
         every process then runs the weighted program, which zeroes a joined rank's gradients.
         `steps`: this process's step count; the result's last item holds every process's."""
-        state = () if state is None else state
+        state = _state_arrays(state)
         impls = _key_impls(state)
         weighted = scale is not None
         fn_ = programs.get((static, impls, weighted))

@@ -75,10 +75,15 @@ def _is_buffer(_path, x) -> bool:
     return dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def split(model):
-    """(graphdef, params, buffers, other): the three kinds of state described in the module docstring."""
+def split(model, others=None):
+    """(graphdef, params, buffers, other): the three kinds of state described in the module docstring.
+    `others`: the `other` state of a split before the step; what was other there stays other (a
+    Variable holding a Python number is an array once a traced step has updated it)."""
     nnx = _nnx()
-    return nnx.split(model, nnx.Param, _is_buffer, ...)
+    if others is None:
+        return nnx.split(model, nnx.Param, _is_buffer, ...)
+    kept = {path for path, _ in others.flat_state()}
+    return nnx.split(model, nnx.Param, lambda path, x: path not in kept and _is_buffer(path, x), ...)
 
 
 def broadcast(ddp, model):
@@ -128,7 +133,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         # Flax refuses to mutate a Variable created at another trace level).
         model = nnx.merge(graphdef, params, *state, copy=True)
         loss, aux = checked(model, batch)
-        _, _, buffers, other = split(model)
+        _, _, buffers, other = split(model, others=state[1])
         return loss, (aux, (buffers, other))
 
     step = ddp._grad_step(pure)

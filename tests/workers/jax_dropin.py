@@ -218,6 +218,40 @@ def has_aux(strategy: str):
     common.report(WORLD.rank, f"has_aux/{strategy}", **fields)
 
 
+# ------------------------------------------------------------------ Python numbers in Variables
+class Counted(nnx.Module):
+    """A Param and two Variables holding Python numbers, which the forward updates (a step counter)."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.arange(IN * OUT, dtype=F64).reshape(IN, OUT) / 10)
+        self.calls = nnx.Variable(0)
+        self.decay = nnx.Variable(0.5)
+
+    def __call__(self, x):
+        self.calls.set_value(self.calls.get_value() + 1)
+        self.decay.set_value(self.decay.get_value() * 0.5)
+        return x @ self.w
+
+
+def python_number_state(strategy: str):
+    """nnx.Variables holding a Python int and float are carried through every strategy's step
+    (compiled and pmap crashed on a leaf without a dtype); gradients are the global batch's."""
+    model = Counted()
+    ddp = DistributedDataParallel(model, strategy=strategy)
+    ddp.broadcast(model)
+    loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+    world = WORLD.size if strategy != "pmap" else ddp.world_size
+    shards = [batch_of(r, 0) for r in range(world)]
+    whole = tuple(np.concatenate(parts) for parts in zip(*shards))
+    grad_fn = ddp.nnx_value_and_grad(loss)
+    for _ in range(3):
+        _, grads = grad_fn(model, whole if strategy == "pmap" else shards[WORLD.rank])
+    want = nnx.grad(loss)(Counted(), whole)
+    common.report(WORLD.rank, f"python_numbers/{strategy}", calls=int(model.calls.get_value()),
+                  decay=float(model.decay.get_value()), max_rel=rel_diff(nnx.state(grads, nnx.Param),
+                                                                         nnx.state(want, nnx.Param)))
+
+
 # ------------------------------------------------------------------ bad input
 def bad(case: str) -> None:
     last = WORLD.rank == WORLD.size - 1
@@ -299,6 +333,7 @@ def main(strategies):
             nnx_no_dropout_vs_global_batch(strategy)
         unused_leaves(strategy)
         has_aux(strategy)
+        python_number_state(strategy)
     if "hooked" in strategies:
         nnx_train("hooked", jit=True)
         nnx_train("hooked", broadcast_buffers=False)
