@@ -46,6 +46,9 @@ CASES = {
     "steps_in_one_jit": r"OK max_rel=",
     "two_ddps_in_one_jit": r"OK max_rel=",
     "uneven_steps_in_one_jit": r"OK max_rel=",
+    "extra_positional_input": r"TypeError: grad_fn's third argument is sync \(True or False, a Python bool\), not "
+                              r"ArrayImpl shaped \(3, 1\): give several inputs as one batch pytree -- "
+                              r"grad_fn\(params, \(x, y\)\)",
     "held_gradients_lent": r"OK held=4 zero_copy=True$",
     "dropped_ddp_is_freed": r"OK freed=3 shm_back=True$",
     "program_outlives_its_ddp": r"RuntimeError: the portddp\.jax DistributedDataParallel this compiled program was "

@@ -552,6 +552,12 @@ class DistributedDataParallel(DDPCommon):
             return out
 
         def step(static, params, state, batch, sync: bool = True):
+            if not isinstance(sync, bool | np.bool_):
+                what = f"{type(sync).__name__}" + (f" shaped {tuple(np.shape(sync))}" if np.ndim(sync) else f" {sync!r}")
+                raise TypeError(
+                    f"grad_fn's third argument is sync (True or False, a Python bool), not {what}: give several "
+                    "inputs as one batch pytree -- grad_fn(params, (x, y)) with loss_fn(params, batch) unpacking "
+                    "x, y = batch -- and decide sync in Python, outside jit")
             self._check_parameters_unchanged(params)
             traced = taps.traced((params, state, batch))
             self._traced_seen |= bool(traced)

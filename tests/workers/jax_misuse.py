@@ -144,6 +144,15 @@ def uneven_steps_in_one_jit():
     return f"max_rel={worst:.1e}"
 
 
+def extra_positional_input():
+    """grad_fn(params, x, y): the third argument is sync, named as such (was numpy's "truth value of
+    an array ... is ambiguous"), on every rank before any collective."""
+    params = init_params()
+    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(
+        lambda p, x, y: loss_fn(p, x) + jnp.mean(y))
+    grad_fn(params, batch(0), jnp.zeros((3, 1)))
+
+
 def steps_in_two_traces():
     """Refused: one synchronised step inside lax.scan, one after it, in one jit -- they cannot be
     chained, and the second used to open its iteration over the first's (silently wrong sums).
@@ -603,6 +612,7 @@ CASES = {
     "steps_in_one_jit": steps_in_one_jit,
     "two_ddps_in_one_jit": two_ddps_in_one_jit,
     "uneven_steps_in_one_jit": uneven_steps_in_one_jit,
+    "extra_positional_input": extra_positional_input,
     "held_gradients_lent": held_gradients_lent,
     "dropped_ddp_is_freed": dropped_ddp_is_freed,
     "program_outlives_its_ddp": program_outlives_its_ddp,
