@@ -13,6 +13,13 @@
     ck = checkpoint.load("run/ckpt", ddp)
     params, opt_state, step = ck.params, ck.opt_state, ck.step
 
+    # Flax NNX with per-rank dropout: the model's random streams, each rank's own
+    checkpoint.save("run/ckpt", ddp, step=step, params=nnx.state(model, nnx.Param).to_pure_dict(),
+                    opt_state=nnx.state(opt).to_pure_dict(),
+                    per_rank=nnx.state(model, nnx.RngState).to_pure_dict(), collective=True)
+    ck = checkpoint.load("run/ckpt", ddp)   # then nnx.replace_by_pure_dict + nnx.update with
+                                            # ck.params, ck.opt_state and ck.per_rank
+
 What is saved: the parameters (and buffers), the optimizer state, the step,
 the random-number state (Python, numpy and torch) and the bucket plan in use,
 so that a resumed run reduces in exactly the same buckets. The parameters and
@@ -24,6 +31,9 @@ parameters of 10 uninterrupted steps (tests/test_reliability.py). Without
 `collective=True`, save never communicates: rank 0 writes its own random
 state only (the file says so), other ranks' calls do nothing, and load
 restores the random state on rank 0 only (`Checkpoint.rng_restored`).
+What else differs per rank -- a Flax NNX model's `nnx.RngState`, which lives
+in the model, not in a global generator -- goes in `per_rank=` (collective
+saves only); load hands each rank its own as `Checkpoint.per_rank`.
 
 The file: a header (magic, format version, payload length, SHA-256 of the
 payload) and a payload that is an uncompressed `.npz` archive -- the arrays,
@@ -81,6 +91,7 @@ class Checkpoint:
     params: object = None  # JAX: the parameter pytree (PyTorch restores the module in place)
     opt_state: object = None  # JAX: the optimizer state pytree
     extra: object = None  # whatever was passed as `extra`
+    per_rank: object = None  # this rank's `per_rank` of a collective save (e.g. its nnx.RngState)
     path: Path | None = None  # the file loaded (not `path` when load fell back to an intact neighbour)
     rng_restored: bool = False  # this rank's random state was in the file (collective save, or rank 0)
 
@@ -91,7 +102,9 @@ class Checkpoint:
 #   {"$t": [...]}                                       tuple (a JSON list is a list)
 #   {"$nt": "module:QualName", "f": [fields], "v": [...]} NamedTuple
 #   {"$a": "a7", "k": kind, "dt": dtype?}               array a7 of the archive; kind: numpy array
-#                                                       ("np"), numpy scalar ("scalar"), "torch", "jax";
+#                                                       ("np"), numpy scalar ("scalar"), "torch", "jax",
+#                                                       "jaxkey" (a typed PRNG key array's data, and
+#                                                       "impl": its kind, e.g. "threefry2x32");
 #                                                       dt: the dtype of a raw unsigned view (bfloat16...)
 def encode(tree, arrays: dict, where: str = "") -> object:
     """`tree` as a JSON value; its arrays go into `arrays` (name -> numpy array)."""
@@ -104,6 +117,9 @@ def encode(tree, arrays: dict, where: str = "") -> object:
         return _array(*_torch_to_numpy(tree, torch), "torch", arrays, where)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(tree, jax.Array):
+        if jax.numpy.issubdtype(tree.dtype, jax.dtypes.prng_key):  # (nnx.Rngs' keys): their data, and the kind
+            out = _array(np.asarray(jax.random.key_data(tree)), None, "jaxkey", arrays, where)
+            return out | {"impl": str(jax.random.key_impl(tree))}
         return _array(np.asarray(tree), None, "jax", arrays, where)
     if isinstance(tree, np.ndarray):
         return _array(tree, None, "np", arrays, where)
@@ -190,6 +206,10 @@ def _from_array(spec: dict, a: np.ndarray):
         import jax.numpy as jnp  # noqa: PLC0415
 
         return jnp.asarray(a)
+    if kind == "jaxkey":
+        import jax  # noqa: PLC0415
+
+        return jax.random.wrap_key_data(np.array(a, copy=True), impl=spec["impl"])
     if kind == "scalar":
         return a[()]
     return np.array(a, copy=True)
@@ -363,13 +383,16 @@ def _model_specs(ddp) -> list:
     return [[s.name, list(s.shape), str(s.dtype)] for s in ddp.bucket_plan.specs]
 
 
-def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, extra=None,
+def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, extra=None, per_rank=None,
          collective: bool = False) -> Path | None:
     """Save a checkpoint; rank 0 writes `path` atomically and returns it (None elsewhere).
 
     PyTorch: pass `optimizer` (the module comes from the DDP wrapper).
     JAX: pass `params` and `opt_state` (any pytrees of dicts, lists, tuples, NamedTuples).
-    `extra`: anything of the same kinds (numbers, strings, arrays, ...).
+    `extra`: anything of the same kinds (numbers, strings, arrays, ...), rank 0's.
+    `per_rank` (collective=True only): the same kinds, each rank's own -- gathered, and given back
+    to each rank by load as `Checkpoint.per_rank`: a Flax NNX model's random streams
+    (`nnx.state(model, nnx.RngState).to_pure_dict()`, per-rank dropout), a data loader's position.
 
     collective=False (default): no communication -- call it on rank 0 only (`if rank == 0:`, as
     with native DDP) or on every rank (the others do nothing). The file holds rank 0's random
@@ -382,8 +405,29 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
         raise TypeError("portddp.torch checkpoints take the module from the DDP wrapper: pass optimizer=, not params=")
     if frontend == "jax" and params is None:
         raise TypeError("portddp.jax checkpoints need params= (and opt_state= if there is one)")
+    if per_rank is not None and not collective:
+        raise ValueError("checkpoint.save(per_rank=...) needs collective=True (called on every rank): each rank's "
+                         "per_rank is gathered to rank 0, which writes them all")
     rank = launch.world().rank
-    rngs = launch.allgather_object(_rng_state(), name="checkpoint save") if collective else [_rng_state()]
+    if collective:
+        # Each rank encodes its own per_rank (numpy arrays and JSON travel; a JAX key array would not).
+        mine, error = None, None
+        try:
+            arrays = {}
+            mine = (encode(per_rank, arrays, "per_rank"), arrays) if per_rank is not None else None
+        except TypeError as e:
+            error = f"could not write checkpoint {path}: on rank {rank}, {e}"
+        gathered = launch.allgather_object((_rng_state(), mine, error), name="checkpoint save")
+        rngs = [g[0] for g in gathered]
+        given = [r for r, g in enumerate(gathered) if g[1] is not None]
+        if given and len(given) < len(gathered):
+            error = (f"could not write checkpoint {path}: per_rank was passed on rank(s) {given} only; pass it "
+                     "on every rank (or on none)")
+        error = next((g[2] for g in gathered if g[2]), error)
+        if error:
+            raise CheckpointError(error)
+    else:
+        rngs = [_rng_state()]
     if rank != 0:
         if collective:
             error = launch.allgather_object(None, name="checkpoint save: written")[0]
@@ -402,6 +446,8 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
             "rng_ranks": "all" if collective else [0],
             "extra": extra,
         }
+        if per_rank is not None:
+            payload["per_rank"] = [decode(*g[1]) for g in gathered]
         if frontend == "torch":
             payload["module"] = ddp.module.state_dict()
             payload["optimizer"] = optimizer.state_dict() if optimizer is not None else None
@@ -452,6 +498,7 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
     restored = rng_ranks == "all" or rank in rng_ranks
     if restored:
         _set_rng_state(payload["rng"][rank if rng_ranks == "all" else rng_ranks.index(rank)])
+    mine = payload.get("per_rank", [None] * (rank + 1))[rank]
     ddp.load_plan_state(payload["plan"])
     if frontend == "torch":
         ddp.module.load_state_dict(payload["module"])
@@ -459,10 +506,11 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
             if payload["optimizer"] is None:
                 raise CheckpointError(f"{used} holds no optimizer state (it was saved without optimizer=)")
             optimizer.load_state_dict(payload["optimizer"])
-        return Checkpoint(step=payload["step"], extra=payload["extra"], path=used, rng_restored=restored)
+        return Checkpoint(step=payload["step"], extra=payload["extra"], path=used, rng_restored=restored,
+                          per_rank=mine)
     ddp._values_differ = []  # every rank loaded the same parameters (no need to compare them again)
     return Checkpoint(step=payload["step"], params=payload["params"], opt_state=payload["opt_state"],
-                      extra=payload["extra"], path=used, rng_restored=restored)
+                      extra=payload["extra"], path=used, rng_restored=restored, per_rank=mine)
 
 
 def _check_matches(payload: dict, ddp, path, frontend: str) -> None:

@@ -110,6 +110,44 @@ def test_optax_and_jax_states_round_trip_exactly():
     same(optax.EmptyState(), roundtrip(optax.EmptyState()))
 
 
+
+def test_jax_prng_keys_and_a_flax_nnx_models_random_streams_round_trip_exactly():
+    """Typed key arrays (nnx.Rngs holds them) keep their kind and bits: what per_rank= carries."""
+    jax = pytest.importorskip("jax")
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(2, 2, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    keys = {"fry": jax.random.key(3), "rbg": jax.random.split(jax.random.key(4, impl="rbg"), 3),
+            "rngs": nnx.state(Net(nnx.Rngs(params=0, dropout=7)), nnx.RngState).to_pure_dict()}
+    back = roundtrip(keys)
+    flat, flat_back = jax.tree.leaves(keys), jax.tree.leaves(back)
+    assert jax.tree.structure(keys) == jax.tree.structure(back) and len(flat) == 4
+    for a, b in zip(flat, flat_back):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a, b)
+        if jax.numpy.issubdtype(a.dtype, jax.dtypes.prng_key):
+            assert str(jax.random.key_impl(a)) == str(jax.random.key_impl(b))
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+
+def test_per_rank_needs_a_collective_save(tmp_path):
+    jnp = pytest.importorskip("jax.numpy")
+    from portddp.jax import DistributedDataParallel  # noqa: PLC0415
+
+    params = {"w": jnp.ones((2, 2))}
+    ddp = DistributedDataParallel(params)
+    with pytest.raises(ValueError, match=r"per_rank=\.\.\.\) needs collective=True \(called on every rank\)"):
+        checkpoint.save(tmp_path / "ck", ddp, step=1, params=params, per_rank={"n": 1})
+    assert not list(tmp_path.iterdir())
+    checkpoint.save(tmp_path / "ck", ddp, step=1, params=params, per_rank={"pos": 17}, collective=True)
+    assert checkpoint.load(tmp_path / "ck", ddp).per_rank == {"pos": 17}
+
+
 def test_no_pickle_anywhere():
     with pytest.raises(TypeError, match=r"cannot hold the builtins.set at \['s'\]: it stores arrays"):
         checkpoint.pack({"s": {1, 2}})

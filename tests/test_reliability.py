@@ -141,7 +141,7 @@ def test_without_portddp_init_a_rank_that_raises_still_stops_the_others_naming_i
 
 
 # ------------------------------------------------------- determinism, checkpoint/resume
-RESUME_IMPLS = ("torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled")
+RESUME_IMPLS = ("torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "jax-nnx-hooked", "jax-nnx-compiled")
 
 
 @pytest.fixture(scope="module")

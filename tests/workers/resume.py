@@ -3,8 +3,8 @@
     mpirun -n 2 python -m tests.workers.resume first <dir>    # 10 steps; 5 steps + save
     mpirun -n 2 python -m tests.workers.resume second <dir>   # 10 steps again; load + 5 steps; torn files
 
-Each case trains a small model with AdamW (PyTorch: with Dropout, so the random
-state matters) and reports a SHA-256 of its final parameters' bytes.
+Each case trains a small model with AdamW (PyTorch and Flax NNX: with Dropout,
+so the random state matters) and reports a SHA-256 of its final parameters' bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from tests.workers import common  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 IN, HID, OUT_DIM, BATCH, STEPS, HALF = 16, 64, 4, 8, 10, 5
-IMPLS = ("native", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled")
+IMPLS = ("native", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "jax-nnx-hooked", "jax-nnx-compiled")
 DTYPES = ("float32", "float64")
 
 
@@ -125,8 +125,63 @@ class JaxCase:
         return ck.step
 
 
+class NnxCase:
+    """A Flax NNX model with per-rank dropout: its random streams live in the model (nnx.Rngs), so a
+    bitwise resume saves them with per_rank= and puts them back from Checkpoint.per_rank."""
+
+    def __init__(self, impl, dtype, seed=0):
+        from flax import nnx  # noqa: PLC0415
+
+        from portddp.jax import DistributedDataParallel  # noqa: PLC0415
+
+        self.nnx, self.dtype = nnx, dtype
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                self.l1 = nnx.Linear(IN, HID, rngs=rngs, dtype=dtype, param_dtype=dtype)
+                self.drop = nnx.Dropout(0.2, rngs=rngs)
+                self.l2 = nnx.Linear(HID, OUT_DIM, rngs=rngs, dtype=dtype, param_dtype=dtype)
+
+            def __call__(self, x):
+                return self.l2(self.drop(jnp.tanh(self.l1(x))))
+
+        # Other seeds give other values and other dropout streams: a resume must restore both.
+        self.model = Net(nnx.Rngs(params=seed, dropout=1000 + 10 * seed + WORLD.rank))
+        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=0.01, first_bucket_cap_mb=0.005,
+                                           strategy=impl.removeprefix("jax-nnx-"))
+        self.ddp.broadcast(self.model)
+        self.opt = nnx.Optimizer(self.model, optax.adamw(1e-2), wrt=nnx.Param)
+        self.grad_fn = self.ddp.nnx_value_and_grad(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+
+    def train(self, start, stop):
+        for step in range(start, stop):
+            _, grads = self.grad_fn(self.model, regression_batch(5, step, WORLD.rank, BATCH, IN, OUT_DIM,
+                                                                 dtype=self.dtype))
+            self.opt.update(self.model, grads)
+
+    def digest(self):
+        return digest(np.asarray(x) for x in jax.tree.leaves(self.nnx.state(self.model, self.nnx.Param)))
+
+    def save(self, path, step, collective=True):
+        nnx = self.nnx
+        checkpoint.save(path, self.ddp, step=step, params=nnx.state(self.model, nnx.Param).to_pure_dict(),
+                        opt_state=nnx.state(self.opt).to_pure_dict(), collective=collective,
+                        per_rank=nnx.state(self.model, nnx.RngState).to_pure_dict() if collective else None)
+
+    def load(self, path):
+        nnx = self.nnx
+        ck = checkpoint.load(path, self.ddp)
+        for target, what, pure in ((self.model, nnx.Param, ck.params), (self.opt, ..., ck.opt_state),
+                                   (self.model, nnx.RngState, ck.per_rank)):
+            state = nnx.state(target, what)
+            nnx.replace_by_pure_dict(state, pure)
+            nnx.update(target, state)
+        return ck.step
+
+
 def make(impl, dtype, seed=0):
-    return (JaxCase if impl.startswith("jax") else TorchCase)(impl, dtype, seed)
+    case = NnxCase if impl.startswith("jax-nnx") else JaxCase if impl.startswith("jax") else TorchCase
+    return case(impl, dtype, seed)
 
 
 def torn_files(path: Path) -> None:
