@@ -74,8 +74,9 @@ class Layout:
         if not_float:
             raise ValueError(
                 f"leaf {not_float[0][0]} has dtype {not_float[0][1]}, which has no gradient: pass only the "
-                "trainable floating-point parameters (for Flax NNX: nnx.state(model, nnx.Param)) and keep "
-                f"integer state elsewhere ({len(not_float)} such leaves)")
+                "trainable floating-point parameters and keep integer state elsewhere (for Flax NNX: hold it in "
+                "an nnx.Variable, or a subclass such as nnx.BatchStat, not in an nnx.Param -- nnx_value_and_grad "
+                f"carries it through the step) ({len(not_float)} such leaves)")
         self.leaf_shapes = [tuple(np.shape(x)) for x in leaves]
         self.leaf_dtypes = [np.dtype(x.dtype).name for x in leaves]
         if canonical is None:
