@@ -471,8 +471,12 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
     JAX: restores the random state and plan, and returns params and opt_state. The random state
     is restored on every rank from a collective save, on rank 0 only otherwise (`rng_restored`).
     If `path` is missing (a save killed between its renames), the newest intact file beside it
-    is loaded instead, and named on stderr and in `Checkpoint.path`."""
+    is loaded instead, and named on stderr and in `Checkpoint.path`.
+
+    No rank reads before every rank has arrived: after `if rank == 0: save(...)` the others reach
+    load while rank 0 is still writing (they would find no file, or its temporary one)."""
     frontend = _frontend(ddp)
+    launch.allgather_object(None, name="checkpoint load")
     error, payload, used = None, None, Path(path)
     try:
         used = find(path)
@@ -482,7 +486,7 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
         error = str(e)
     rank = launch.world().rank
     everyone = launch.allgather_object((error, str(used), payload["step"] if payload else None),
-                                       name="checkpoint load")
+                                       name="checkpoint load: read")
     bad = [(r, e) for r, (e, _, _) in enumerate(everyone) if e]
     if bad:
         r, e = bad[0]

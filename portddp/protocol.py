@@ -30,9 +30,11 @@ exchange, so both sides fail with the same words.
 
 Checkpoints (portddp/checkpoint.py) add, over the launcher's channel:
 
-checkpoint.save(collective=True)  allgather(RNG state)   "checkpoint save"
+checkpoint.save(collective=True)  allgather((RNG state, per_rank, error)) "checkpoint save"
                                   allgather(write error) "checkpoint save: written"
-checkpoint.load                   allgather((error, file, step)) "checkpoint load"
+checkpoint.load                   allgather(None)        "checkpoint load" (every rank there:
+                                                         rank 0's own save is finished)
+                                  allgather((error, file, step)) "checkpoint load: read"
 (checkpoint.save without collective=True issues none: rank 0 may save alone.)
 
 Every collective is announced to portddp.watchdog's stall inspector with

@@ -197,6 +197,15 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_intact_file(t
 
 
 @pytest.mark.parametrize("impl", ("torch-mpi", "jax-hooked"))
+def test_load_right_after_a_rank_0_save_waits_for_its_file(two_jobs, impl):
+    """`if rank == 0: save(...)` then `load(...)` on every rank, rank 0 slow to write: rank 1 used to
+    read first and fail (no checkpoint at ..., or rank 0's temporary file)."""
+    for rank in (0, 1):
+        row = two_jobs[f"at_once/{impl}", rank]
+        assert row["step"] == 2 and row["used"], row
+
+
+@pytest.mark.parametrize("impl", ("torch-mpi", "jax-hooked"))
 def test_rank0_only_save_writes_without_a_hang_and_restores_rng_on_rank_0_only(two_jobs, impl):
     """`if rank == 0: checkpoint.save(...)` (native DDP's idiom): written while the others train on."""
     for rank in (0, 1):

@@ -239,6 +239,21 @@ def rank0_only(impl: str) -> None:
     common.report(WORLD.rank, f"rank0/{impl}", step=ck.step, rng_restored=ck.rng_restored)
 
 
+def save_then_load(impl: str) -> None:
+    """The README's lines one after the other, `if rank == 0: save(...)` then `load(...)` on every
+    rank, rank 0 slow to save (1 s): the others must not read before its file is there."""
+    import time  # noqa: PLC0415
+
+    case = make(impl, "float32")
+    case.train(0, 2)
+    path = OUT / f"at-once-{impl}.ckpt"
+    if WORLD.rank == 0:
+        time.sleep(1.0)
+        case.save(path, 2, collective=False)
+    ck = checkpoint.load(path, case.ddp, **({"optimizer": case.opt} if isinstance(case, TorchCase) else {}))
+    common.report(WORLD.rank, f"at_once/{impl}", step=ck.step, used=str(ck.path) == str(path))
+
+
 def failed_save(path: Path) -> None:
     """Rank 0's disk is full (a file-size limit there): every rank raises, no temporary file is left."""
     import resource  # noqa: PLC0415
@@ -291,6 +306,7 @@ def main():
         interrupted_save(OUT / "torch-c10d-float32.ckpt")
         for impl in ("torch-mpi", "jax-hooked"):
             rank0_only(impl)
+            save_then_load(impl)
         failed_save(OUT / "torch-c10d-float32.ckpt")
 
 
