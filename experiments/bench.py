@@ -76,6 +76,15 @@ class Config(runner.ExperimentConfig):
     def implementations(self) -> set[str]:  # the cap sweep builds its own implementations too
         return {*(VIEW_OF.get(i, i) for i in self.impls), *(self.sweep_impls if self.sweep else ())}
 
+    def validate_schedule(self) -> None:
+        super().validate_schedule()
+        if self.mlp_rounds < 0:
+            raise SystemExit(f"--mlp-rounds {self.mlp_rounds} is not a number of rounds: pass --mlp-rounds 1 or more "
+                             "(0: as many as --rounds)")
+        if self.gpt_batch < 1:
+            raise SystemExit(f"--gpt-batch {self.gpt_batch}: at least one sequence per rank: pass --gpt-batch 1 "
+                             "or more")
+
 
 def _auto_warmup() -> int:
     """Steps 'auto' needs before its choice is made (portddp.autotune's schedule), plus one."""

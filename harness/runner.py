@@ -51,6 +51,22 @@ class ExperimentConfig(Workload):
         """Every implementation the experiment's variants will build (what portddp.init must start)."""
         return set(self.impls)
 
+    def validate_schedule(self) -> None:
+        """Refuse a measurement schedule that measures nothing, naming the value and the fix.
+
+        Called by run() on every rank (each parsed the same arguments) before portddp.init or any
+        model: `--rounds 0` would otherwise write a result of NaN medians over an earlier good
+        one, and `--steps-per-round 0` fail at the first per-step division."""
+        for flag, value, least, what in (
+                ("--rounds", self.rounds, 1, "measures nothing (the timed steps come from the interleaved rounds)"),
+                ("--steps-per-round", self.steps_per_round, 1, "measures nothing (each round times that many "
+                                                               "steps per variant)"),
+                ("--warmup", self.warmup, 0, "is not a number of untimed steps per variant (0: none)"),
+                ("--warmup-rounds", self.warmup_rounds, 0, "is not a number of untimed rounds (0: none)"),
+                ("--ranks", self.ranks, 0, "is not a number of ranks the run must have (0: any)")):
+            if value < least:
+                raise SystemExit(f"{flag} {value} {what}: pass {flag} {least} or more")
+
 
 @dataclasses.dataclass
 class Variant:
@@ -66,6 +82,7 @@ class Variant:
 
 def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentConfig, object], Sequence[Variant]]
         ) -> dict:
+    cfg.validate_schedule()
     check_implementations(sorted(cfg.implementations()))
     launched = detect().size
     if cfg.ranks and cfg.ranks != launched:

@@ -99,3 +99,36 @@ def test_workloads_data_and_models():
 def test_workload_refuses_unknown_values(field, value, message):
     with pytest.raises(SystemExit, match=message):
         Workload(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rounds", "0"], "--rounds 0 measures nothing (the timed steps come from the interleaved rounds): pass "
+                        "--rounds 1 or more"),
+    (["--rounds", "-1"], "--rounds -1 measures nothing"),
+    (["--steps-per-round", "0"], "--steps-per-round 0 measures nothing (each round times that many steps per "
+                                 "variant): pass --steps-per-round 1 or more"),
+    (["--warmup", "-1"], "--warmup -1 is not a number of untimed steps per variant (0: none): pass --warmup 0 or more"),
+    (["--warmup-rounds", "-2"], "--warmup-rounds -2 is not a number of untimed rounds"),
+    (["--ranks", "-1"], "--ranks -1 is not a number of ranks the run must have (0: any): pass --ranks 0 or more")])
+def test_experiment_refuses_a_schedule_that_measures_nothing_before_anything_starts(argv, message, monkeypatch):
+    """(--rounds 0 wrote a result of NaN medians over a good one; --steps-per-round 0 ended in a
+    ZeroDivisionError.) Refused on every rank alike, before portddp.init or any model."""
+    from harness import runner  # noqa: PLC0415
+
+    def started(*_, **__):
+        raise AssertionError("the experiment started")
+
+    monkeypatch.setattr(runner.portddp, "init", started)
+    monkeypatch.setattr(runner.malloc, "keep_freed_memory", started)
+    cfg = parse_config(runner.ExperimentConfig, argv)
+    with pytest.raises(SystemExit) as exit_:
+        runner.run("overlap", cfg, started)
+    assert str(exit_.value.code).startswith(message) and "\n" not in str(exit_.value.code), exit_.value.code
+
+
+def test_bench_refuses_negative_mlp_rounds():
+    from experiments.bench import Config  # noqa: PLC0415
+
+    with pytest.raises(SystemExit, match="--mlp-rounds -1 is not a number of rounds: pass --mlp-rounds 1 or more"):
+        Config(mlp_rounds=-1).validate_schedule()
+    Config(mlp_rounds=0).validate_schedule()  # 0: as many as --rounds
