@@ -29,6 +29,7 @@ EXPERIMENTS = ("bench", "overlap", "bucket_sweep", "no_sync", "compression", "sc
                "simulate_validate")
 HOP_ASSUMED_S = 10e-6  # what-if curves: the latency of one ring step (not measurable with 2 hosts)
 _EQUIVALENCE_OUT = "results/equivalence"  # comparisons.equivalence's default --out (its commands omit it)
+READ_FROM = "_read_from"  # load() notes in each payload the file it came from: a section that cannot use it names it
 COLORS = {"native": "#1f77b4", "torch-c10d": "#ff7f0e", "torch-mpi": "#2ca02c", "jax-hooked": "#d62728",
           "jax-compiled": "#9467bd", "torch-local": "#8c564b", "jax-local": "#7f7f7f"}
 
@@ -53,6 +54,7 @@ def load(results: Path) -> tuple[dict, list[dict], list[str]]:
         if name not in EXPERIMENTS or not ({"rows", "runs", "points"} & set(payload)):
             problems.append(f"{path}: not a known experiment result (experiment={name!r})")
             continue
+        payload[READ_FROM] = str(path)
         found.setdefault(name, []).append(payload)
     equivalence = []
     for path in sorted(results.glob("equivalence/*/result.json")):
@@ -182,15 +184,29 @@ def _where_suffix(payload: dict) -> str:
     return f"-h{c['hosts']}-{c['link']}" if c else ""
 
 
-def where(payload: dict) -> str:
-    """Where a run ran: on loopback (one machine), or on the emulated cluster."""
+def where(payload: dict, links: str | None = None) -> str:
+    """Where a run ran: on loopback (one machine), or on the emulated cluster (at `links`, if given: a
+    sweep's rates, else the run's own link)."""
     c = payload.get("cluster")
     if not c:
         why = payload.get("cluster_unavailable")
         return ("one machine, ranks over shared memory / loopback"
                 + (f"; no emulated cluster could be made here: {why}" if why else ""))
     per = payload["world"]["size"] // c["hosts"]
-    return f"emulated cluster: {c['hosts']} hosts x {per} rank(s), {c['link']} links"
+    return f"emulated cluster: {c['hosts']} hosts x {per} rank(s), {links or c['link']} links"
+
+
+def swept_links(runs: list[dict]) -> str:
+    """The link rates a bandwidth sweep's runs had, slowest first ("250mbit, 1gbit and unlimited"):
+    the section's title names what was measured, not only its first run's rate."""
+    ordered = sorted(runs, key=lambda r: r["cluster"]["rate_bps"] or math.inf)
+    return _and(list(dict.fromkeys(r["cluster"]["link"] for r in ordered)))
+
+
+def _and(items: list) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    words = [str(i) for i in items]
+    return " and ".join(filter(None, [", ".join(words[:-1]), words[-1]])) if words else "none"
 
 
 def _speedups(payload: dict) -> dict[str, float]:
@@ -263,6 +279,14 @@ def wire_section(payload: dict) -> str:
           f"makes each host send, 2(n-1)/n x gradient bytes, at {c['link']}. *Sent*: the host's interface "
           "counter over the timed steps (TCP/IP headers included, ~3-5 %), averaged over hosts. A transport "
           "that bypassed the link would show (almost) nothing here.\n")
+
+
+def _bandwidth_title(payload: dict) -> str:
+    runs = payload.get("runs") or [{}]
+    try:
+        return f"Overlap against bandwidth ({where(runs[0], swept_links(runs))})"
+    except (KeyError, TypeError):  # (the section itself then says what the file lacks)
+        return "Overlap against bandwidth"
 
 
 def bandwidth_section(payload: dict) -> str:
@@ -353,19 +377,45 @@ def plot_what_if(payload: dict, results: Path, out: Path) -> tuple[Path | None, 
     return png, "\n".join(f"- {line}" for line in lines)
 
 
+def what_if_section(payload: dict, results: Path, out: Path) -> tuple[str, Path | None]:
+    """The what-if curves and their text; ("", None) where the source point's run is missing."""
+    png, text = plot_what_if(payload, results, out)
+    if png is None:
+        return "", None
+    src = payload["source"]
+    return ("Predicted from the same source trace (portddp.simulate; per-rank compute as measured there, a ring "
+            "all-reduce with the fitted per-collective and per-byte costs, and an assumed "
+            f"{HOP_ASSUMED_S * 1e6:.0f} us per ring step, which one world size -- the source's {src['hosts']} "
+            "hosts -- cannot separate from the per-collective cost):\n\n" + text + "\n\nThe DDP paper "
+            "(§5.2) finds the best bucket size between the extremes, growing with model size; too small "
+            "buckets pay per-message latency, too large ones delay the first all-reduce.\n", png)
+
+
 def prediction_section(payload: dict) -> str:
     body = [[impl, f"{v['median_abs_error'] * 100:.1f} %", f"{v['worst_abs_error'] * 100:.1f} %", v["points"]]
             for impl, v in payload["per_impl"].items()]
     src = payload["source"]
-    errs = sorted((abs(p["error"]), p) for p in payload["points"])
+    errs = sorted(((abs(p["error"]), p) for p in payload["points"]), key=lambda e: e[0])
     worst = errs[-1][1]
+    grid = _grid(payload["points"])
     return (table(["implementation", "median |error|", "worst |error|", "points"], body)
-            + f"\n\nEach point of the grid (link rates x bucket caps x overlap on/off, 2 and 3 hosts) predicted by "
+            + f"\n\nEach point of the grid ({grid}) predicted by "
               f"`portddp.simulate` from one source point ({src['hosts']} hosts, {src['rate']}, {src['cap']:g} MB; its "
               f"own runs are not scored), against the step time measured there. Worst point: {worst['impl']} at "
               f"{worst['hosts']} hosts, {worst['rate']}, {worst['cap']:g} MB, overlap {worst['overlap']}: predicted "
               f"{worst['predicted_s'] * 1e3:.0f} ms, measured {worst['measured_s'] * 1e3:.0f} ms. Slowest single "
               f"prediction: {payload['worst_predict_s'] * 1e3:.1f} ms.\n")
+
+
+def _grid(points: list[dict]) -> str:
+    """What the validation grid spanned, read from its points ("links 1gbit and 500mbit x bucket caps 1, 4
+    and 16 MB x overlap on/off, 2 and 3 hosts")."""
+    links = _and(list(dict.fromkeys(p["rate"] for p in points)))
+    caps = _and([f"{c:g}" for c in sorted({p["cap"] for p in points})])
+    hosts = sorted({p["hosts"] for p in points})
+    overlap = _and([{True: "on", False: "off"}[o] for o in sorted({p["overlap"] for p in points}, reverse=True)])
+    return (f"links {links} x bucket caps {caps} MB x overlap {overlap}, {_and(hosts)} "
+            f"host{'s' if hosts != [1] else ''}")
 
 
 # ------------------------------------------------------------------- tables
@@ -404,6 +454,8 @@ def overlap_section(payload: dict) -> str:
 def _ms_spread(row: dict) -> str:
     import numpy as np  # noqa: PLC0415
 
+    if not row.get("times_s"):  # (a row of no timed iterations: unusable() keeps such files out)
+        return "–"
     lo, hi = np.percentile(row["times_s"], [25, 75]) * 1e3
     return f"{row['median_s'] * 1e3:.1f} ({lo:.0f}–{hi:.0f})"
 
@@ -526,6 +578,54 @@ def equivalence_section(results: list[dict]) -> str:
                  body) + "\n"
 
 
+def scaling_section(payloads: list[dict]) -> str:
+    """One table per world size, each under its own heading (back to back, Markdown would run them
+    into one table)."""
+    parts = []
+    for p in sorted(payloads, key=lambda p: (p["world"]["size"], _where_suffix(p))):
+        n = p["world"]["size"]
+        label = f"{n} rank{'s' if n != 1 else ''}" + (f" ({where(p)})" if p.get("cluster") else "")
+        why = unusable(p)
+        parts.append(f"\n### {label}\n\n" + (f"Not shown: {why}\n" if why else generic_section(p)))
+    return "Median ms per iteration at each world size, the batch per rank fixed.\n" + "".join(parts)
+
+
+def unusable(payload: dict) -> str | None:
+    """Why a result cannot make its section (naming its file), or None: a row without timed iterations
+    (an older run with --rounds 0 wrote NaN medians) or a run that holds no rows at all."""
+    name = payload.get(READ_FROM, payload.get("path", "a result"))
+    runs = payload.get("runs", [payload]) if "points" not in payload else []
+    for run in runs:
+        rows = run.get("rows") or []
+        if not rows:
+            return f"{name} holds no measured rows: rerun the experiment"
+        empty = [r.get("label", "?") for r in rows
+                 if not r.get("times_s") or not math.isfinite(r.get("median_s", math.nan))]
+        if empty:
+            return (f"{name} has no timed iterations for {', '.join(map(repr, empty))} (median NaN): rerun the "
+                    f"experiment with --rounds and --steps-per-round of 1 or more")
+    if "points" in payload and not payload["points"]:
+        return f"{name} holds no predicted points: rerun experiments.simulate_validate"
+    return None
+
+
+def _section(title: str, payloads: list[dict], make, each: bool = False) -> tuple[str, str, Path | None]:
+    """(title, text, plot) from make() -> (text, plot); where the payloads cannot make it, the
+    section says why in one line naming the file instead: one bad result costs its own section,
+    not the whole report. `each`: make() itself says which of the payloads it cannot show (the
+    world-size section, a table per payload)."""
+    why = None if each else next((w for p in payloads if (w := unusable(p))), None)
+    if why is None:
+        try:
+            text, png = make()
+            return title, text, png
+        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+            files = ", ".join(p.get(READ_FROM, "?") for p in payloads)
+            why = (f"{files} lacks what this section needs ({type(e).__name__}: {e}): rerun the experiment that "
+                   f"wrote it")
+    return title, f"Not shown: {why}\n", None
+
+
 def _no_results(results: Path, problems: list[str]) -> NoReturn:
     skipped = "".join(f"\n  skipped {p}" for p in problems)
     raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
@@ -540,46 +640,47 @@ def build(results: Path, out: Path) -> Path:
     if equivalence:
         sections.append(("Numerical equivalence", equivalence_section(equivalence), None))
     if "bench" in found:
-        sections.append(("Benchmark", bench_section(found["bench"][-1]), None))
+        p = found["bench"][-1]
+        sections.append(_section("Benchmark", [p], lambda: (bench_section(p), None)))
     # The newest overlap run on one machine and on each cluster shape (the cluster's first).
     overlaps = {}
     for p in found.get("overlap", []):
         overlaps[_where_suffix(p)] = p
     for key in sorted(overlaps, key=lambda k: (k == "", k)):
         p = overlaps[key]
-        sections.append((f"Where the time goes: one iteration per implementation ({where(p)})", "",
-                         plot_gantt(p, out)))
-        wire = wire_section(p) if p.get("cluster") else ""
-        sections.append((f"Overlap on vs off ({where(p)})", overlap_section(p) + wire + native_metrics_section(p),
-                         None))
+        if unusable(p):  # (one line, under the overlap section's title; no empty Gantt section above it)
+            sections.append(_section(f"Overlap on vs off ({where(p)})", [p], None))
+            continue
+        sections.append(_section(f"Where the time goes: one iteration per implementation ({where(p)})", [p],
+                                 lambda p=p: ("", plot_gantt(p, out))))
+        sections.append(_section(f"Overlap on vs off ({where(p)})", [p], lambda p=p: (
+            overlap_section(p) + (wire_section(p) if p.get("cluster") else "") + native_metrics_section(p), None)))
     if "bandwidth" in found:
         p = found["bandwidth"][-1]
-        sections.append((f"Overlap against bandwidth ({where(p['runs'][0])})", bandwidth_section(p),
-                         plot_bandwidth(p, out)))
+        sections.append(_section(_bandwidth_title(p), [p], lambda: (bandwidth_section(p), plot_bandwidth(p, out))))
     if "simulate_validate" in found:
         p = found["simulate_validate"][-1]
-        sections.append(("Prediction (portddp.simulate) against the emulated cluster", prediction_section(p),
-                         plot_prediction(p, out)))
-        png, text = plot_what_if(p, results, out)
-        if png is not None:
-            sections.append(("What if: more ranks, faster links, other buckets (predicted)",
-                             "Predicted from the same source trace (portddp.simulate; per-rank compute as measured "
-                             "there, a ring all-reduce with the fitted per-collective and per-byte costs, and an "
-                             f"assumed {HOP_ASSUMED_S * 1e6:.0f} us per ring step, which 2 and 3 hosts cannot "
-                             "separate from the per-collective cost):\n\n" + text + "\n\nThe DDP paper "
-                             "(§5.2) finds the best bucket size between the extremes, growing with model size; "
-                             "too small buckets pay per-message latency, too large ones delay the first "
-                             "all-reduce.\n", png))
+        sections.append(_section("Prediction (portddp.simulate) against the emulated cluster", [p],
+                                 lambda: (prediction_section(p), plot_prediction(p, out))))
+        if not unusable(p):
+            what_if = _section("What if: more ranks, faster links, other buckets (predicted)", [p],
+                               lambda: what_if_section(p, results, out))
+            if what_if[1]:  # (nothing where the source point's run is not beside the validation's JSON)
+                sections.append(what_if)
     if "bucket_sweep" in found:
         p = found["bucket_sweep"][-1]
-        sections.append(("Bucket size", generic_section(p), plot_buckets(p, out)))
+        sections.append(_section("Bucket size", [p], lambda: (generic_section(p), plot_buckets(p, out))))
     if "scaling" in found:
-        sections.append(("World size", "".join(generic_section(p) for p in found["scaling"]),
-                         plot_scaling(found["scaling"], out)))
+        usable = [p for p in found["scaling"] if not unusable(p)]
+        sections.append(_section("World size", found["scaling"], lambda: (
+            scaling_section(found["scaling"]), plot_scaling(usable, out) if usable else None), each=True))
     if "no_sync" in found:
-        sections.append(("Gradient accumulation (no_sync)", generic_section(found["no_sync"][-1], "per_sample"), None))
+        p = found["no_sync"][-1]
+        sections.append(_section("Gradient accumulation (no_sync)", [p], lambda: (generic_section(p, "per_sample"),
+                                                                                  None)))
     if "compression" in found:
-        sections.append(("Compression hooks", generic_section(found["compression"][-1], "loss"), None))
+        p = found["compression"][-1]
+        sections.append(_section("Compression hooks", [p], lambda: (generic_section(p, "loss"), None)))
     if not sections:
         _no_results(results, problems)
     any_payload = next((ps[-1] for ps in found.values() if "environment" in ps[-1]), None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -109,3 +110,88 @@ def test_benchmark_section_comes_from_the_json_alone(tmp_path):
     # each ratio with its precision within the run, as far as the JSON gives it
     assert "| portddp.torch c10d vs native | 1.234 ± 0.012 (rounds 1.100–1.300) |" in md, md
     assert "| portddp.torch best vs limit | 1.500 |" in md and "hooked vs limit" not in md
+
+
+# -- the report from hand-made JSON, in process (no experiment run) ------------------------------------------
+def _row(label: str, impl: str, overlap, median_s: float, times: int = 2) -> dict:
+    return {"label": label, "impl": impl, "group": impl.split("-")[0], "params": {"overlap": overlap}, "knobs": {},
+            "metrics": {"overlap_ratio": 0.5}, "median_s": median_s, "times_s": [median_s] * times, "loss": 1.0,
+            "events": None}
+
+
+def _result(tmp_path, stem: str, experiment: str, world: int = 2, **fields) -> dict:
+    import portddp  # noqa: PLC0415
+
+    payload = {"experiment": experiment, "portddp_version": portddp.__version__, "world": {"size": world},
+               "command": f"mpirun -n {world} python -m experiments.{experiment}", "cluster": None, **fields}
+    (tmp_path / f"{stem}.json").write_text(json.dumps(payload))
+    return payload
+
+
+def _report(tmp_path) -> tuple[str, str]:
+    from comparisons import report  # noqa: PLC0415
+
+    assert report.main(["--results", str(tmp_path), "--out", str(tmp_path / "rep")]) == 0
+    return (tmp_path / "rep" / "report.md").read_text(), (tmp_path / "rep" / "report.html").read_text()
+
+
+def test_a_result_without_timed_iterations_costs_its_section_one_line_not_the_report(tmp_path):
+    """(An overlap run with --rounds 0, from before such runs were refused, wrote NaN medians and no
+    times: the report died of an IndexError in np.percentile.)"""
+    _result(tmp_path, "overlap-n2", "overlap", rows=[_row("native", "native", True, math.nan, times=0),
+                                                      _row("torch-local", "torch-local", None, math.nan, times=0)])
+    _result(tmp_path, "no_sync-n2", "no_sync", rows=[{**_row("native / 1", "native", True, 0.01),
+                                                      "params": {"samples_per_step": 16}}])
+    _result(tmp_path, "compression-n2", "compression", rows=[])
+    md, html = _report(tmp_path)
+    path = tmp_path / "overlap-n2.json"
+    assert (f"## Overlap on vs off (one machine, ranks over shared memory / loopback)\n\nNot shown: {path} has no "
+            f"timed iterations for 'native', 'torch-local' (median NaN): rerun the experiment with --rounds and "
+            f"--steps-per-round of 1 or more\n") in md, md
+    assert "Where the time goes" not in md  # (no empty Gantt section above that line)
+    assert f"Not shown: {tmp_path / 'compression-n2.json'} holds no measured rows: rerun the experiment" in md
+    assert "| native / 1 | 10.0 | 625 | 0.50 |" in md  # the usable sections as ever
+    assert f"Not shown: {path} has no timed iterations" in html
+
+
+def test_world_size_tables_are_each_labelled_with_their_ranks(tmp_path):
+    """(Four tables back to back rendered as one, its headers repeated as rows.)"""
+    for n in (4, 1, 3, 2):
+        _result(tmp_path, f"scaling-n{n}", "scaling", world=n, rows=[_row("torch-c10d", "torch-c10d", True, n / 100)])
+    _result(tmp_path, "scaling-n5", "scaling", world=5, rows=[_row("torch-c10d", "torch-c10d", True, math.nan, 0)])
+    md, html = _report(tmp_path)
+    section = md[md.index("## World size"):]
+    heads = [line for line in section.splitlines() if line.startswith("### ")]
+    assert heads == ["### 1 rank", "### 2 ranks", "### 3 ranks", "### 4 ranks", "### 5 ranks"], section
+    assert "### 3 ranks\n\n| variant | median ms / iteration | overlap ratio |\n|---|---|---|\n| torch-c10d | 30.0 |" \
+        in section
+    assert f"### 5 ranks\n\nNot shown: {tmp_path / 'scaling-n5.json'} has no timed iterations" in section
+    world = html[html.index("<h2>World size</h2>"):]
+    assert world.count("<table>") == 4 and world.count("<h3>") == 5 and "<h3>2 ranks</h3>" in world
+    assert (tmp_path / "rep" / "scaling.png").exists()
+
+
+def test_prediction_and_bandwidth_texts_name_what_was_run(tmp_path):
+    """(The prediction text said "2 and 3 hosts" and the bandwidth title "... 400mbit links" whatever the
+    runs were.)"""
+    def run(link, rate_bps):
+        return {"cluster": {"hosts": 2, "link": link, "rate_bps": rate_bps}, "world": {"size": 2},
+                "rows": [_row("torch-c10d", "torch-c10d", True, 0.1), _row("torch-c10d (no overlap)", "torch-c10d",
+                                                                          False, 0.12)]}
+
+    _result(tmp_path, "bandwidth-n2-h2", "bandwidth", runs=[run("unlimited", None), run("400mbit", 4e8),
+                                                             run("1gbit", 1e9)], calibration=None)
+    points = [{"impl": "torch-c10d", "hosts": 2, "world": 2, "rate": rate, "cap": cap, "overlap": overlap,
+               "predicted_s": 0.1, "measured_s": 0.1, "error": 0.0, "predict_s": 0.001}
+              for rate in ("500mbit", "2gbit") for cap in (4.0, 16.0) for overlap in (True, False)]
+    _result(tmp_path, "simulate_validate", "simulate_validate", points=points, source={"hosts": 2, "rate": "1gbit",
+                                                                                      "cap": 4.0},
+            per_impl={"torch-c10d": {"median_abs_error": 0.0, "worst_abs_error": 0.0, "points": len(points)}},
+            worst_predict_s=0.001, models={})
+    md, _ = _report(tmp_path)
+    assert "## Overlap against bandwidth (emulated cluster: 2 hosts x 1 rank(s), 400mbit, 1gbit and unlimited " \
+           "links)" in md, md
+    assert "| 400mbit | 20.0 % |" in md
+    assert ("Each point of the grid (links 500mbit and 2gbit x bucket caps 4 and 16 MB x overlap on and off, 2 "
+            "hosts) predicted") in md, md
+    assert "3 hosts" not in md
