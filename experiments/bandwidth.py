@@ -27,17 +27,41 @@ from portddp import cluster
 DEFAULT_RATES = ("250mbit", "500mbit", "1gbit", "2gbit", "5gbit", "unlimited")
 
 
+def check(ns) -> None:
+    """Refuse the job and every rate before the first cluster is made, in one line naming the value
+    and the fix: a typo in the last of six rates would otherwise end the sweep after the others ran."""
+    try:
+        cluster.check_job(ns.ranks, ns.hosts)
+        for rate in ns.rates:
+            if rate != "matched":
+                cluster.parse_rate(rate)
+    except ValueError as e:
+        raise SystemExit(f"experiments.bandwidth: {e}") from None
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-n", "--ranks", type=int, default=2)
-    parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--rates", nargs="+", default=list(DEFAULT_RATES), help="link rates ('matched': the "
-                        "calibrated rate)")
-    parser.add_argument("--out-dir", default="results")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.bandwidth", description=__doc__.split("\n\n")[0],
+        usage="%(prog)s [-h] [-n RANKS] [--hosts HOSTS] [--rates RATE ...] [--out-dir OUT_DIR] [-- OVERLAP_ARGS ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="arguments after `--` go to every run of the overlap experiment, e.g.\n"
+               "  python -m experiments.bandwidth --rates 500mbit 1gbit -- --batch 2048 --rounds 2\n"
+               "(its options: python -m experiments.overlap --help)")
+    parser.add_argument("-n", "--ranks", type=int, default=2, help="MPI ranks in all, spread evenly over the hosts "
+                        "(a multiple of --hosts; default: 2)")
+    parser.add_argument("--hosts", type=int, default=2, help=f"emulated hosts, 1 to {cluster.MAX_HOSTS} (default: 2); "
+                        "a fresh cluster for each rate")
+    parser.add_argument("--rates", nargs="+", default=list(DEFAULT_RATES), metavar="RATE",
+                        help="link rates per host and direction, with their unit (250mbit, 2.5gbit); unlimited: no "
+                        "shaping; matched: the calibrated rate where wire time = backward compute (default: "
+                        + " ".join(DEFAULT_RATES) + ")")
+    parser.add_argument("--out-dir", default="results", help="where the merged JSON goes (default: results; "
+                        "each run's own under OUT_DIR/bandwidth)")
     ns = parser.parse_args(argv)
+    check(ns)
     cluster.require_root()
     runs, calibration = [], None
     started = time.time()

@@ -92,6 +92,25 @@ def predict_grid(runs: list[dict], cores: int) -> tuple[list[dict], dict]:
     return points, {"source": {"hosts": src_key[0], "rate": src_key[1], "cap": src_key[2]}, "models": models}
 
 
+def check(ns) -> None:
+    """Refuse every rate, cap and host count before the first cluster is made, in one line naming
+    the value and the fix: the grid runs one at a time for minutes, and a bad value late in it would
+    end it in a traceback after the others ran."""
+    from portddp import cluster  # noqa: PLC0415
+
+    try:
+        for rate in ns.rates:
+            cluster.parse_rate(rate)
+        for hosts in ns.hosts:
+            cluster.check_job(hosts, hosts)  # (one rank per host)
+    except ValueError as e:
+        raise SystemExit(f"experiments.simulate_validate: {e}") from None
+    for cap in ns.caps:
+        if not cap > 0:  # (NaN too)
+            raise SystemExit(f"experiments.simulate_validate: --caps {cap:g} is not a bucket size: pass megabytes "
+                             "> 0, e.g. --caps 1 4 16")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -104,6 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default="results")
     parser.add_argument("--reuse", action="store_true", help="reuse grid runs already in --out-dir")
     ns = parser.parse_args(argv)
+    check(ns)
     extra = extra or ["--batch", "1024", "--rounds", "2", "--steps-per-round", "3", "--warmup", "2"]
     out = Path(ns.out_dir) / "simulate_validate"
     runs = grid_runs(ns.rates, ns.caps, ns.hosts, out, extra, ns.reuse)

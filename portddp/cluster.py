@@ -69,13 +69,18 @@ def parse_rate(rate: str) -> float | None:
     """'1gbit' -> 1e9 bits/s, '500mbit', '2.5gbit', 'unlimited' or '0' -> None (no shaping).
 
     A bare number other than 0 is refused: read as bits/s (tc's meaning), `--link 1000` would
-    shape every host to 1 kbit/s, which nobody means."""
+    shape every host to 1 kbit/s, which nobody means. A rate of zero or below with a unit
+    (`0mbit`, `-1gbit`) is refused too, saying so: a bare `0` is the one spelling of "no shaping"
+    besides `unlimited`, a link that carries nothing is none."""
     text = str(rate).strip().lower()
     if text in ("unlimited", "none", "inf", "0"):
         return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps|b)?(?:/s)?", text)
-    if not m or float(m.group(1)) <= 0:
+    m = re.fullmatch(r"(-?\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps|b)?(?:/s)?", text)
+    if not m:
         raise ValueError(f"link rate {rate!r} not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited")
+    if float(m.group(1)) <= 0:
+        raise ValueError(f"link rate {rate!r} is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or a "
+                         f"bare 0) for no shaping")
     if not m.group(2) and not m.group(3):
         raise ValueError(f"link rate {rate!r} has no unit: write one, e.g. 1000mbit or 1gbit ({m.group(1)}bit if "
                          f"you do mean {m.group(1)} bits/s); 0 or unlimited: no shaping")

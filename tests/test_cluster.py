@@ -29,9 +29,18 @@ def test_parse_rate(text, bps):
     assert cluster.parse_rate(text) == bps
 
 
-@pytest.mark.parametrize("text", ["fast", "-1gbit", "0.0mbit", ""])
+@pytest.mark.parametrize("text", ["fast", "1gbitx", "1 gbit/h", ""])
 def test_parse_rate_refuses_nonsense_naming_it(text):
     with pytest.raises(ValueError, match=f"link rate {text!r} not understood: use e.g. 1gbit"):
+        cluster.parse_rate(text)
+
+
+@pytest.mark.parametrize("text", ["0mbit", "0.0mbit", "-1gbit", "-5", "0.0"])
+def test_parse_rate_refuses_a_rate_of_zero_or_below_saying_so(text):
+    """(Such a rate was "not understood", beside a bare 0 accepted: a bare 0 is the documented
+    spelling of no shaping, a rate that carries nothing is refused as such.)"""
+    with pytest.raises(ValueError, match=rf"link rate {text!r} is not above zero: pass a rate, e.g. 1gbit or "
+                                         rf"500mbit; unlimited \(or a bare 0\) for no shaping"):
         cluster.parse_rate(text)
 
 
@@ -63,6 +72,10 @@ def nothing_made(monkeypatch):
     (["--link", "fast"], "link rate 'fast' not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited"),
     (["--link", "1000"], "link rate '1000' has no unit: write one, e.g. 1000mbit or 1gbit (1000bit if you do mean "
                          "1000 bits/s); 0 or unlimited: no shaping"),
+    (["--link", "0mbit"], "link rate '0mbit' is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or a "
+                          "bare 0) for no shaping"),
+    (["--link=-1gbit"], "link rate '-1gbit' is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or "
+                        "a bare 0) for no shaping"),
     (["--hosts", "0"], "--hosts 0: pass 1 to 250 emulated hosts"),
     (["--hosts", "251", "-n", "251"], "--hosts 251: pass 1 to 250 emulated hosts"),
     (["-n", "0", "--hosts", "1"], "-n 0: a job needs at least one rank per host: pass a multiple of 1 (-n 1, 2, ...)"),
@@ -76,6 +89,40 @@ def test_main_refuses_a_job_it_cannot_run_in_one_line_before_making_anything(arg
     assert exit_.value.code == 2, err
     assert err.endswith(f"portddp cluster: error: {message}\n"), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rates", "1gbit", "0mbit"], "link rate '0mbit' is not above zero: pass a rate, e.g. 1gbit or 500mbit; "
+                                    "unlimited (or a bare 0) for no shaping"),
+    (["--rates", "matched", "500mbit", "fast"], "link rate 'fast' not understood: use e.g. 1gbit"),
+    (["--rates", "1000"], "link rate '1000' has no unit"),
+    (["-n", "3", "--hosts", "2"], "-n 3 ranks do not spread evenly over 2 hosts: pass a multiple of 2"),
+    (["--hosts", "0"], "--hosts 0: pass 1 to 250 emulated hosts")])
+def test_bandwidth_sweep_refuses_every_rate_before_the_first_cluster(argv, message, nothing_made, monkeypatch):
+    """(A bad rate was found inside the per-rate loop, a traceback after the rates before it ran.)"""
+    from experiments import bandwidth  # noqa: PLC0415
+
+    def started(*_, **__):
+        raise AssertionError("the sweep started")
+
+    for name in ("run_overlap", "matched_rate"):
+        monkeypatch.setattr(bandwidth, name, started)
+    monkeypatch.setattr(cluster, "require_root", started)
+    with pytest.raises(SystemExit) as exit_:
+        bandwidth.main([*argv, "--", "--batch", "8"])
+    assert str(exit_.value.code).startswith(f"experiments.bandwidth: {message}"), exit_.value.code
+
+
+def test_bandwidth_help_shows_its_defaults_and_where_the_overlap_options_go(capsys):
+    from experiments import bandwidth  # noqa: PLC0415
+
+    with pytest.raises(SystemExit):
+        bandwidth.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[-- OVERLAP_ARGS ...]" in out and "MPI ranks in all" in out and "emulated hosts, 1 to 250" in out
+    assert "(default: 250mbit 500mbit 1gbit 2gbit 5gbit unlimited)" in out
+    assert "arguments after `--` go to every run of the overlap experiment" in out
+    assert "python -m experiments.overlap --help" in out
 
 
 def test_run_refuses_uneven_ranks_before_making_anything(nothing_made):

@@ -256,3 +256,26 @@ def test_main_errors_arrive_as_one_line_from_the_command_line(result, tmp_path):
     assert run.stderr.strip().splitlines() == [
         "portddp simulate: --link fast is not a link rate (link rate 'fast' not understood: use e.g. 1gbit, 500mbit, "
         "2.5gbit, or unlimited) -- write it with its unit, e.g. 10gbit or 500mbit; unlimited (or 0) for no limit"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--caps", "1", "0"], "--caps 0 is not a bucket size: pass megabytes > 0, e.g. --caps 1 4 16"),
+    (["--caps", "-4"], "--caps -4 is not a bucket size"),
+    (["--caps", "nan"], "--caps nan is not a bucket size"),
+    (["--rates", "1gbit", "0mbit"], "link rate '0mbit' is not above zero: pass a rate, e.g. 1gbit or 500mbit"),
+    (["--rates", "fast"], "link rate 'fast' not understood"),
+    (["--hosts", "2", "0"], "--hosts 0: pass 1 to 250 emulated hosts")])
+def test_validation_grid_refuses_every_value_before_the_first_cluster(argv, message, monkeypatch, tmp_path):
+    """(A bad cap or rate was found after the cluster was built and MPI started, in a traceback.)"""
+    from experiments import simulate_validate  # noqa: PLC0415
+    from portddp import cluster  # noqa: PLC0415
+
+    def started(*_, **__):
+        raise AssertionError("the grid started")
+
+    monkeypatch.setattr(cluster, "run", started)
+    monkeypatch.setattr(simulate_validate, "grid_runs", started)
+    with pytest.raises(SystemExit) as exit_:
+        simulate_validate.main([*argv, "--out-dir", str(tmp_path / "out")])
+    assert str(exit_.value.code).startswith(f"experiments.simulate_validate: {message}"), exit_.value.code
+    assert not (tmp_path / "out").exists()
