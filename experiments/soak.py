@@ -46,6 +46,10 @@ class Config(Workload):
     out: str = dataclasses.field(default="results/soak/soak.json", metadata={"help": "JSON result path"})
 
 
+RUN = "mpirun -n 2 python -m experiments.soak"
+SUMMARIZE = "python -m experiments.soak --summarize RESULT.json"
+
+
 def sample(memory: Memory) -> dict:
     return {"rss_mb": memory.rss_mb(), "threads": threading.active_count(),
             "os_threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
@@ -103,7 +107,16 @@ def summarize(path: str, max_rss_growth: float) -> int:
     """Re-read a soak JSON and print its table with this module's measures."""
     import json  # noqa: PLC0415
 
-    payload = json.loads(open(path).read())
+    try:
+        payload = json.loads(open(path).read())
+    except FileNotFoundError:
+        raise SystemExit(f"no soak result at {path}: run the soak first ({RUN}, which writes "
+                         f"{Config.out}), or pass the path of a run's JSON") from None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: cannot read a soak result ({e}): pass the JSON a soak run wrote") from None
+    if not isinstance(payload, dict) or payload.get("experiment") != "soak" or "results" not in payload:
+        raise SystemExit(f"{path}: not a soak result (no per-implementation results): pass the JSON a soak run "
+                         f"wrote, e.g. {Config.out}")
     ok = True
     for r in payload["results"]:
         for rank in r["ranks"]:
@@ -120,14 +133,17 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--summarize"]:
         if len(argv) != 2:
-            raise SystemExit("usage: python -m experiments.soak --summarize RESULT.json (a soak run's JSON, "
-                             "e.g. results/soak/soak.json)")
+            raise SystemExit(f"usage: {SUMMARIZE} (a soak run's JSON, e.g. {Config.out})")
         raise SystemExit(summarize(argv[1], Config.max_rss_growth))
-    cfg = parse_config(Config, argv, __doc__.split("\n\n")[0])
+    cfg = parse_config(Config, argv, __doc__.split("\n\n")[0],
+                       epilog=f"{SUMMARIZE}: print a finished run's table again from its samples (e.g. "
+                              f"{Config.out}); nothing is run.")
     check_implementations(cfg.impls, IMPLEMENTATIONS)
     cfg.validate()
     if cfg.warmup >= cfg.iterations:
         raise SystemExit(f"--warmup {cfg.warmup} must be below --iterations {cfg.iterations}")
+    if cfg.every < 1:
+        raise SystemExit(f"--every {cfg.every} is not a number of steps: pass --every 1 or more")
     world = portddp.init(jax_distributed="jax-compiled" in cfg.impls)
     say = print if world.rank == 0 else (lambda *a, **k: None)
     memory = Memory()

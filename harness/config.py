@@ -16,10 +16,11 @@ import typing
 __all__ = ["parse_config"]
 
 
-def parse_config(cls, argv=None, description: str | None = None):
+def parse_config(cls, argv=None, description: str | None = None, epilog: str | None = None):
     """An argparse CLI for a config dataclass: one --flag per field, its default
-    and its `help` metadata shown by --help."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    and its `help` metadata shown by --help (`epilog` after them: what else the entry point does)."""
+    parser = argparse.ArgumentParser(description=description, epilog=epilog,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]

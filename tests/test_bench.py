@@ -94,6 +94,26 @@ def test_soak_reports_memory_threads_and_files(tmp_path):
     assert "torch-mpi_rss_growth=" in proc.stdout.splitlines()[-1]
 
 
+def test_soak_summarize_names_a_missing_or_foreign_file_and_is_in_the_help(tmp_path, capsys):
+    """(A missing file was a raw FileNotFoundError; --help did not mention --summarize.)"""
+    from experiments import soak  # noqa: PLC0415
+
+    missing = tmp_path / "soak.json"
+    with pytest.raises(SystemExit, match=re.escape(f"no soak result at {missing}: run the soak first (mpirun -n 2 "
+                                                   "python -m experiments.soak, which writes results/soak/soak.json)"
+                                                   ", or pass the path of a run's JSON")):
+        soak.main(["--summarize", str(missing)])
+    missing.write_text(json.dumps({"experiment": "overlap", "rows": []}))
+    with pytest.raises(SystemExit, match="soak.json: not a soak result"):
+        soak.main(["--summarize", str(missing)])
+    with pytest.raises(SystemExit):
+        soak.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "python -m experiments.soak --summarize RESULT.json: print a finished run's table again" in out, out
+    with pytest.raises(SystemExit, match="--every 0 is not a number of steps: pass --every 1 or more"):
+        soak.main(["--every", "0"])
+
+
 def test_every_row_reports_cpu_per_iteration_by_thread_group(bench):
     stdout, payload = bench
     for r in payload["rows"]:
