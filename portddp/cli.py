@@ -145,14 +145,29 @@ def _check(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         p.error(str(e))
 
 
+def _module_help(command: str, module: str) -> str:
+    """The epilog of run/compare/mixed: --help before `--` shows this wrapper's options only, so say
+    where the module's own are (parsed before any rank starts: no mpirun needed)."""
+    name = module.rsplit(".", 1)[1]
+    job = f"portddp run {name}" if command == "run" else f"portddp {command}"
+    return (f"the {'experiment' if command == 'run' else 'module'}'s own options (passed on after --):\n"
+            f"  {job} -- --help\n  python -m {module} --help    (the same; no mpirun needed)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="portddp", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = argv[1] if argv[:1] == ["run"] and argv[1:2] and argv[1] in EXPERIMENTS else "EXPERIMENT"
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run an experiment under mpirun")
+    raw = {"formatter_class": argparse.RawDescriptionHelpFormatter}  # (the epilog's command lines kept whole)
+    run = sub.add_parser("run", help="run an experiment under mpirun", **raw,
+                         epilog=_module_help("run", f"experiments.{named}"))
     run.add_argument("experiment", choices=EXPERIMENTS)
-    jobs = {"run": run, "compare": sub.add_parser("compare", help="the equivalence harness under mpirun"),
-            "mixed": sub.add_parser("mixed", help="the mixed PyTorch + JAX job under mpirun")}
+    jobs = {"run": run, "compare": sub.add_parser("compare", help="the equivalence harness under mpirun", **raw,
+                                                  epilog=_module_help("compare", "comparisons.equivalence")),
+            "mixed": sub.add_parser("mixed", help="the mixed PyTorch + JAX job under mpirun", **raw,
+                                    epilog=_module_help("mixed", "comparisons.mixed"))}
     for p in jobs.values():
         p.add_argument("-n", "--ranks", type=int, default=2, help="number of ranks (mpirun -n), 1 or more; "
                        "every other argument is passed on (see the module's --help)")
@@ -173,8 +188,6 @@ def main(argv=None) -> int:
                    "--world N --link RATE --bucket-cap MB ...)", add_help=False)
     sub.add_parser("cluster", help="run a command as an MPI job on an emulated cluster (-n N --hosts H "
                    "--link RATE -- COMMAND...)", add_help=False)
-    if argv is None:
-        argv = sys.argv[1:]
     if argv[:1] == ["simulate"]:
         from portddp import simulate  # noqa: PLC0415
 

@@ -390,7 +390,8 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="portddp cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="portddp cluster", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("-n", "--ranks", type=int, default=2, help="MPI ranks in all (a multiple of --hosts)")
     parser.add_argument("--hosts", type=int, default=2, help=f"emulated hosts, 1 to {MAX_HOSTS} (ranks spread "
                         "evenly)")

@@ -57,6 +57,9 @@ _USAGE_ERRORS = [
      "mean 1000 bits/s); 0 or unlimited: no shaping"),
     (["mixed", "-n", "2", "--hosts", "2", "--link", "fast"],
      "portddp mixed: error: link rate 'fast' not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited"),
+    (["run", "overlap", "--hosts", "2", "--link", "0mbit"],
+     "portddp run: error: link rate '0mbit' is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or a "
+     "bare 0) for no shaping"),
 ]
 
 
@@ -126,3 +129,24 @@ def test_a_modules_help_is_printed_once_without_mpirun(capfd, monkeypatch):
         assert cli.main(["run", "overlap", *job, "--", "--help"]) == 0
         out = capfd.readouterr().out
         assert out.count("usage: ") == 1 and "--out-dir OUT_DIR" in out and "$ mpirun" not in out, out
+
+
+@pytest.mark.parametrize("argv,own", [(["run", "overlap"], ["portddp run overlap -- --help",
+                                                             "python -m experiments.overlap --help"]),
+                                      (["run"], ["portddp run EXPERIMENT -- --help"]),
+                                      (["compare"], ["portddp compare -- --help",
+                                                     "python -m comparisons.equivalence --help"])])
+def test_wrapper_help_says_where_the_modules_own_options_are(argv, own, launched, capsys):
+    """(`portddp run overlap --help` showed the wrapper's options only, with no word of --rounds & co.)"""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and launched == []
+    assert "own options (passed on after --):" in out and all(f"  {line}" in out for line in own), out
+
+
+def test_cluster_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["cluster", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no shaping (default: 1gbit)" in out and "(a multiple of --hosts) (default: 2)" in out, out
