@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -71,6 +72,14 @@ def summarise_runs(payloads: list[dict]) -> dict:
     return out
 
 
+def _mean(row: dict) -> str:
+    """'1.043 +- 0.012' over the runs; '1.043 (1 run)' where one run holds the ratio (a spread of
+    one value would read 'nan')."""
+    if math.isnan(row["sd"]):
+        return f"{row['mean']:.3f} (1 run)"
+    return f"{row['mean']:.3f} +- {row['sd']:.3f}"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", help="bench-n<N>.json of full runs (experiments.bench)")
@@ -93,7 +102,7 @@ def main(argv=None) -> dict:
         values = " ".join("-" if v is None else f"{v:.3f}" for v in row["values"])
         goal = (f"<= {row['target']:.2f}: met in {row['met']} of {n}" if row["target"] is not None
                 else "(A/A check)" if row["ratio"] == AA else "(no target)")
-        print(f"{row['model']:>9} {row['ratio']:<26} {row['mean']:.3f} +- {row['sd']:.3f}  {goal:<24} [{values}]")
+        print(f"{row['model']:>9} {row['ratio']:<26} {_mean(row):<14}  {goal:<24} [{values}]")
     print(f"every target met together in {summary['met_all']} of {n} run(s)", flush=True)
     return summary
 

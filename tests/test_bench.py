@@ -332,6 +332,19 @@ def test_each_ratio_carries_its_standard_error_within_the_run(bench):
     assert {"torch_c10d_vs_native_se", "torch_best_vs_limit_se", "native_again_vs_native_se"} <= mine.keys(), mine
 
 
+def test_runs_summary_of_one_run_prints_its_means_without_a_nan_spread(tmp_path, capsys):
+    """(Over a single run every ratio printed '+- nan'.)"""
+    from experiments import bench_runs  # noqa: PLC0415
+
+    path = tmp_path / "bench-n2.json"
+    path.write_text(json.dumps({"experiment": "bench", "models": {"mlp": {"torch_best_vs_limit": 1.15,
+                                                                          "torch_c10d_vs_native": 1.01}}}))
+    bench_runs.main([str(path)])
+    out = capsys.readouterr().out
+    assert "nan" not in out, out
+    assert re.search(r"mlp torch_best_vs_limit +1\.150 \(1 run\) +<= 1\.20: met in 1 of 1", out), out
+
+
 def test_runs_summary_counts_the_runs_meeting_each_target(tmp_path, capsys):
     """experiments.bench_runs: per model and ratio, the runs meeting issue 16's target, and the runs
     meeting every one together (gpt's bounds are its own); a file that is not a bench result is refused."""
