@@ -19,7 +19,9 @@ each iteration        Allreduce per bucket, in plan order  the mean gradients
                       (check_finite: int32[2n], the second half counting NaN/Inf gradients;
                       if any, allgather(names) of each rank's non-finite parameters),
                       then int32[world]: each rank's step count in its own slot
-first iteration       allgather(comm hook name or None)     the same hook on every rank
+first iteration       allgather(comm hook name or None)     the same hook on every rank (PyTorch: again
+                                                           at the iteration after a later
+                                                           register_comm_hook)
 before a forward      Bcast(buffers + int64[3] header)      rank 0's buffers (PyTorch; Flax NNX: its
                       BatchStat etc.) and who sent them: (iterations done, synchronises?, syncs so far)
 
@@ -281,7 +283,8 @@ def check_same_hook(everyone: Sequence[tuple[str, dict] | None], rank: int) -> N
         where = ", ".join(f"rank {r}: {h or 'none'}" for r, h in enumerate(names))
         raise RuntimeError(
             f"comm hooks differ across ranks ({where}; this is rank {rank}): every rank must call "
-            "register_comm_hook with the same hook before the first backward (a hook registered on some ranks "
+            "register_comm_hook with the same hook before the first backward (or, portddp.torch, at the same "
+            "step) (a hook registered on some ranks "
             "only reduces buckets of other sizes than the others', which MPI and Gloo cannot pair)")
     if names[0] is None:
         return

@@ -266,6 +266,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._check_buffers = bool(forward_sync_buffers or (init_sync and init_sync_buffers))
         self._verify_same_model(specs)
         self._hook = None
+        self._next_hook = None  # (hook, state) registered during an iteration: installed at the next one
         self._hook_state = None
         self._install_plan(plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb))
         # Ranks start identical: rank 0's parameters and buffers everywhere.
@@ -415,17 +416,28 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def register_comm_hook(self, state, hook) -> None:
         """Reduce each bucket with `hook(state, bucket) -> Future` (see portddp.torch.hooks).
 
-        Call once, before the first backward. Gradients then reach the bucket
-        undivided; the hook divides (portddp.torch.hooks does, before summing).
+        Call once, usually before the first backward; as with native DDP, a hook registered
+        after some iterations (compression switched on after a warm-up) reduces from the next
+        synchronised iteration on -- every rank must register it at the same step (the hooks are
+        compared across ranks before that iteration's first bucket). Gradients then reach the
+        bucket undivided; the hook divides (portddp.torch.hooks does, before summing).
         PyTorch's own hooks (torch.distributed.algorithms.ddp_comm_hooks) work too."""
-        if self._hook is not None:
+        if self._hook is not None or self._next_hook is not None:
             raise RuntimeError("a comm hook is already registered; register_comm_hook can be called only once")
-        if self._iterations:
-            raise RuntimeError("register_comm_hook must be called before the first backward pass")
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket) -> Future; got {hook!r}")
-        self._hook, self._hook_state = hook, state
+        if self._expect_grads:  # between a forward and its backward: this iteration's packs divide already
+            self._next_hook = (hook, state)
+        else:
+            self._hook, self._hook_state = hook, state
         self._hooks_agreed = False  # compared across ranks before the next bucket
+
+    def _agree_on_next_hook(self) -> None:
+        """Before an iteration's first bucket: a hook registered after the previous one's forward takes
+        over now, and the hooks are compared across ranks (once after each registration)."""
+        if self._next_hook is not None:
+            (self._hook, self._hook_state), self._next_hook = self._next_hook, None
+        self._agree_on_hook()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -575,7 +587,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._finalize_queued = False
         self._expect_grads = True
         if not self._hooks_agreed:
-            self._agree_on_hook()
+            self._agree_on_next_hook()
         self._contributors = self.world_size
         if self._sync_flag is not None and not self._divide_by_initial_world_size:
             # join(divide_by_initial_world_size=False): the mean over the ranks still training.
@@ -892,7 +904,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if contributors == 0:
             return  # the others run a local (no_sync) or no_grad forward
         if not self._hooks_agreed:
-            self._agree_on_hook()
+            self._agree_on_next_hook()
         zeros = [torch.zeros_like(buf) for buf in self._bucket_buffers]
         # With find_unused_parameters, native's joined rank contributes the used map of its last
         # reduction (kept up to date by every shadow one): what was used then counts as used now,

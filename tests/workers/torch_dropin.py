@@ -211,6 +211,35 @@ def powersgd(transport):
         compare(name, transport, native, ours, sgd_steps(5))
 
 
+def late_hook(transport):
+    """A comm hook registered after two steps (compression switched on after a warm-up), as native
+    allows: it reduces from the next iteration on -- also when registered between a forward and its
+    backward (native's reducer takes it at the next bucket: ours at the next iteration, so the
+    forward without a backward, an evaluation under grad mode, leaves nothing half done)."""
+    for name, when in (("late_fp16", "before_forward"), ("late_fp16_after_eval_forward", "after_forward")):
+        def train(ddp, when=when):
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+            for step in range(5):
+                if step == 2 and when == "before_forward":
+                    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                if step == 2 and when == "after_forward":
+                    loss_of(ddp, 99, dist.get_rank())  # a forward under grad mode whose backward never runs
+                    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                opt.zero_grad()
+                loss_of(ddp, step, dist.get_rank()).backward()
+                opt.step()
+
+        native, ours = pair(transport, ddp_kw={"bucket_cap_mb": 0.01})
+        if when == "before_forward":
+            compare(name, transport, native, ours, train)
+        else:  # (native cannot take a forward without its backward: compare with the hook registered before it)
+            train(ours)
+            sgd_native = lambda ddp: train(ddp, when="before_forward")  # noqa: E731
+            sgd_native(native)
+            diff, equal = max_diff(native.module, ours.module)
+            report(f"{name}/{transport}", max_diff=diff, bitwise=equal)
+
+
 def buffer_sync(transport):
     """Every combination of no_sync, broadcast_buffers, train()/eval() and find_unused_parameters
     on a BatchNorm model: buffers and parameters bitwise as native's."""
@@ -574,7 +603,7 @@ def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
 
-SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world,
+SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world, late_hook,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing]
