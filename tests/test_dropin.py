@@ -22,7 +22,7 @@ SCENARIOS = [
     "init_sync_false", "forward_sync_buffers_false", "delay_all_reduce",
     "frozen_per_rank_init", "checkpoint_last_reentrant", "static_graph_shared_checkpointed", "module_microsteps",
     "copies", "zero_size_param", "channels_last", "channels_last_view", "freeze_later_unused",
-    "late_fp16", "late_fp16_after_eval_forward",
+    "late_fp16", "late_fp16_after_eval_forward", "builtin_allreduce", "builtin_fp16_compress",
 ]
 
 

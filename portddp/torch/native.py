@@ -289,6 +289,20 @@ class NativeInterface:
                                "portddp.init() (it creates one under mpirun too) before wrapping the model")
         return self.process_group
 
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """Native's private registration of its C++ hooks (older tutorials call it): the same
+        arithmetic as PyTorch's Python hooks, divide then all-reduce (in float16 for FP16_COMPRESS),
+        which is what is registered."""
+        import torch.distributed as dist  # noqa: PLC0415
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        if comm_hook_type not in hooks:
+            raise ValueError(f"_register_builtin_comm_hook takes a torch.distributed.BuiltinCommHookType "
+                             f"(ALLREDUCE or FP16_COMPRESS), not {comm_hook_type!r}")
+        self.register_comm_hook(None, hooks[comm_hook_type])
+
     def _set_static_graph(self) -> None:
         """Native's private switch for static_graph=True (some trainers call it after wrapping)."""
         if self.static_graph:

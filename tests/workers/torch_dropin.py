@@ -240,6 +240,15 @@ def late_hook(transport):
             report(f"{name}/{transport}", max_diff=diff, bitwise=equal)
 
 
+def builtin_hooks(transport):
+    """Native's private _register_builtin_comm_hook (older tutorials), both of its C++ hooks."""
+    for kind in ("ALLREDUCE", "FP16_COMPRESS"):
+        native, ours = pair(transport, ddp_kw={"bucket_cap_mb": 0.01})
+        for ddp in (native, ours):
+            ddp._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, kind))
+        compare(f"builtin_{kind.lower()}", transport, native, ours, sgd_steps(4))
+
+
 def buffer_sync(transport):
     """Every combination of no_sync, broadcast_buffers, train()/eval() and find_unused_parameters
     on a BatchNorm model: buffers and parameters bitwise as native's."""
@@ -603,7 +612,7 @@ def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
 
-SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world, late_hook,
+SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world, late_hook, builtin_hooks,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing]
