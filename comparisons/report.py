@@ -18,6 +18,7 @@ import html
 import json
 import math
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -620,6 +621,8 @@ def _section(title: str, payloads: list[dict], make, each: bool = False) -> tupl
             text, png = make()
             return title, text, png
         except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+            # (the traceback too: where a result is fine, this is a bug of the section's, not the file's)
+            sys.stderr.write(f"portddp report: section {title!r} not shown:\n{traceback.format_exc()}")
             files = ", ".join(p.get(READ_FROM, "?") for p in payloads)
             why = (f"{files} lacks what this section needs ({type(e).__name__}: {e}): rerun the experiment that "
                    f"wrote it")

@@ -91,9 +91,9 @@ class Checkpoint:
     params: object = None  # JAX: the parameter pytree (PyTorch restores the module in place)
     opt_state: object = None  # JAX: the optimizer state pytree
     extra: object = None  # whatever was passed as `extra`
-    per_rank: object = None  # this rank's `per_rank` of a collective save (e.g. its nnx.RngState)
     path: Path | None = None  # the file loaded (not `path` when load fell back to an intact neighbour)
     rng_restored: bool = False  # this rank's random state was in the file (collective save, or rank 0)
+    per_rank: object = None  # this rank's `per_rank` of a collective save (e.g. its nnx.RngState)
 
 
 # ============================================================ the file format (framework-free)
@@ -415,8 +415,8 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
         try:
             arrays = {}
             mine = (encode(per_rank, arrays, "per_rank"), arrays) if per_rank is not None else None
-        except TypeError as e:
-            error = f"could not write checkpoint {path}: on rank {rank}, {e}"
+        except Exception as e:  # (every rank must hear of it: the others wait in the gather below)
+            error = f"could not write checkpoint {path}: on rank {rank}, {type(e).__name__}: {e}"
         gathered = launch.allgather_object((_rng_state(), mine, error), name="checkpoint save")
         rngs = [g[0] for g in gathered]
         given = [r for r, g in enumerate(gathered) if g[1] is not None]
@@ -455,8 +455,9 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
             payload["params"] = params
             payload["opt_state"] = opt_state
         written = write(path, payload)
-    except (OSError, TypeError) as e:  # every rank must hear of it, not only rank 0
-        error = f"could not write checkpoint {path}: {e}"
+    except Exception as e:  # every rank must hear of it, not only rank 0 (the others wait for its word)
+        error = f"could not write checkpoint {path}: {e}" if isinstance(e, OSError | TypeError) else \
+            f"could not write checkpoint {path}: {type(e).__name__}: {e}"
     if collective:
         launch.allgather_object(error, name="checkpoint save: written")
     if error:

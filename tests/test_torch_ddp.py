@@ -122,6 +122,7 @@ BAD = [
     ("replaced_after_wrap", ("c10d",), r"trainable parameters changed after DistributedDataParallel wrapped it: 2 then, 2 now \(added: none, gone: none, replaced by new Parameter objects: \['0\.weight', '0\.bias'\]\).*load into them \(assign=False"),
     ("crossed_ddps", TRANSPORTS, r"the ranks reduced different DistributedDataParallels here \(rank 0 its DistributedDataParallel #\d+, rank 1 its DistributedDataParallel #\d+, .*in the same order"),
     ("crossed_ddps_world_group", ("c10d",), r"the ranks reduced different DistributedDataParallels here \(rank 0 its DistributedDataParallel #\d+, rank 1 its DistributedDataParallel #\d+"),
+    ("late_hook_in_join", TRANSPORTS, r"register_comm_hook inside `with ddp\.join\(\):` after training started is refused: a rank that has already joined cannot register it at the same step"),
     ("nonfinite", TRANSPORTS, r"non-finite gradients \(NaN or Inf\) found by check_finite -- rank 1: '0\.weight', '1\.weight' \(this is rank \d\)"),
     ("world_size", ("c10d",), r"portddp\.init\(world_size=\d\) but the launcher \(mpirun\) started \d process\(es\): launch with `mpirun -n"),
     ("process_group_mismatch", ("c10d",), r"a c10d process group already exists with rank 0 of 1, but the launcher \(mpirun\) says rank \d of \d"),

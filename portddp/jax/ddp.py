@@ -552,10 +552,10 @@ class DistributedDataParallel(DDPCommon):
             return out
 
         def step(static, params, state, batch, sync: bool = True):
-            if not isinstance(sync, bool | np.bool_):
-                what = f"{type(sync).__name__}" + (f" shaped {tuple(np.shape(sync))}" if np.ndim(sync) else f" {sync!r}")
+            sync = _as_sync(sync)
+            if not isinstance(sync, bool):
                 raise TypeError(
-                    f"grad_fn's third argument is sync (True or False, a Python bool), not {what}: give several "
+                    f"grad_fn's third argument is sync (True or False, a Python bool), not {sync}: give several "
                     "inputs as one batch pytree -- grad_fn(params, (x, y)) with loss_fn(params, batch) unpacking "
                     "x, y = batch -- and decide sync in Python, outside jit")
             self._check_parameters_unchanged(params)
@@ -679,11 +679,13 @@ class DistributedDataParallel(DDPCommon):
 
             def tapped(params, start_value, state):
                 if bcast:  # rank 0's buffers, Bcast before the iteration starts (the token waits for it)
+                    # ... and after the previous step traced into this program (start_value): its
+                    # collectives and this Bcast go out in one order on every rank.
                     leaves, tree = jax.tree.flatten(state[0])
                     *leaves, after = taps.host_call(
-                        taps.reporting(lambda *xs: [*me._sync_buffers(xs), np.float32(0)], errors),
+                        taps.reporting(lambda *xs: [*me._sync_buffers(xs[:-1]), np.float32(0)], errors),
                         [*(jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves),
-                         jax.ShapeDtypeStruct((), jnp.float32)], *leaves)
+                         jax.ShapeDtypeStruct((), jnp.float32)], *leaves, jax.lax.stop_gradient(start_value))
                     state = (jax.tree.unflatten(tree, leaves), *state[1:])
                     start_value = start_value + after
                 token = start(start_value)
@@ -1139,6 +1141,19 @@ class DistributedDataParallel(DDPCommon):
         if self._last_events is None:
             return {}
         return self._last_events.stats() | extra | {"plan_rebuilt": self._rebuilt}
+
+
+def _as_sync(sync) -> bool | str:
+    """grad_fn's `sync` as a bool (a Python or numpy bool, 0/1, a concrete 0-d array), else what it
+    is, in words for the error (a batch's second input passed positionally, a traced value)."""
+    if isinstance(sync, bool | np.bool_):
+        return bool(sync)
+    if isinstance(sync, jax.core.Tracer):
+        return f"a traced {sync.dtype} value (sync must be known in Python when grad_fn is called)"
+    shape = getattr(sync, "shape", None)
+    if shape == () and np.dtype(getattr(sync, "dtype", np.float32)).kind in "bi" or type(sync) is int:
+        return bool(sync)
+    return f"{type(sync).__name__}" + (f" shaped {tuple(shape)}" if shape is not None else "")
 
 
 _FREE_REFS = 2  # references to a free bucket's memory owner: the bucket array's base, getrefcount's argument

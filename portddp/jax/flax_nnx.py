@@ -75,15 +75,28 @@ def _is_buffer(_path, x) -> bool:
     return dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def split(model, others=None):
+def split(model, others: frozenset | None = None):
     """(graphdef, params, buffers, other): the three kinds of state described in the module docstring.
-    `others`: the `other` state of a split before the step; what was other there stays other (a
-    Variable holding a Python number is an array once a traced step has updated it)."""
+    `others`: paths classified "other" before (split_for); they stay other -- a Variable holding a
+    Python number (a per-rank counter) is an array once a step has updated it, but is no buffer of
+    rank 0's to broadcast for that."""
     nnx = _nnx()
-    if others is None:
+    if not others:
         return nnx.split(model, nnx.Param, _is_buffer, ...)
-    kept = {path for path, _ in others.flat_state()}
-    return nnx.split(model, nnx.Param, lambda path, x: path not in kept and _is_buffer(path, x), ...)
+    return nnx.split(model, nnx.Param, lambda path, x: path not in others and _is_buffer(path, x), ...)
+
+
+def paths(state) -> frozenset:
+    return frozenset(path for path, _ in state.flat_state())
+
+
+def split_for(ddp, model):
+    """split(model) as `ddp` first saw it: what was other at its first split (broadcast or the first
+    step) stays other at every later one, so the step's state keeps its structure."""
+    out = split(model, getattr(ddp, "_nnx_others", None))
+    if getattr(ddp, "_nnx_others", None) is None:
+        ddp._nnx_others = paths(out[3])
+    return out
 
 
 def broadcast(ddp, model):
@@ -91,7 +104,7 @@ def broadcast(ddp, model):
     Every rank must pass the same structure, shapes and dtypes (checked first, errors name the leaf)."""
     from portddp.protocol import check_same_config, check_same_specs  # noqa: PLC0415
 
-    _graphdef, params, buffers, _other = split(model)
+    _graphdef, params, buffers, _other = split_for(ddp, model)
     params = ddp.broadcast(params)
     leaves = jax.tree_util.tree_flatten_with_path(buffers)[0]
     if ddp.world_size > 1:
@@ -133,7 +146,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         # Flax refuses to mutate a Variable created at another trace level).
         model = nnx.merge(graphdef, params, *state, copy=True)
         loss, aux = checked(model, batch)
-        _, _, buffers, other = split(model, others=state[1])
+        _, _, buffers, other = split(model, paths(state[1]))
         return loss, (aux, (buffers, other))
 
     step = ddp._grad_step(pure)
@@ -142,7 +155,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         if not is_module(model):
             raise TypeError(f"nnx_value_and_grad's grad_fn takes (model, batch) with an nnx.Module; got "
                             f"{type(model).__name__}: for a parameter pytree use ddp.value_and_grad(loss_fn)")
-        graphdef, params, buffers, other = split(model)
+        graphdef, params, buffers, other = split_for(ddp, model)
         loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
         nnx.update(model, buffers, other)
         return ((loss, aux) if has_aux else loss), grads

@@ -426,6 +426,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             raise RuntimeError("a comm hook is already registered; register_comm_hook can be called only once")
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket) -> Future; got {hook!r}")
+        if self._iterations and self._join_config.enable:
+            raise RuntimeError("register_comm_hook inside `with ddp.join():` after training started is refused: a "
+                               "rank that has already joined cannot register it at the same step, and the ranks' "
+                               "reductions would no longer pair. Register it before the join() loop")
         if self._expect_grads:  # between a forward and its backward: this iteration's packs divide already
             self._next_hook = (hook, state)
         else:

@@ -301,7 +301,7 @@ class NativeInterface:
         if comm_hook_type not in hooks:
             raise ValueError(f"_register_builtin_comm_hook takes a torch.distributed.BuiltinCommHookType "
                              f"(ALLREDUCE or FP16_COMPRESS), not {comm_hook_type!r}")
-        self.register_comm_hook(None, hooks[comm_hook_type])
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])  # (native's: the reducer's group)
 
     def _set_static_graph(self) -> None:
         """Native's private switch for static_graph=True (some trainers call it after wrapping)."""

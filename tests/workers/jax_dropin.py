@@ -234,9 +234,12 @@ class Counted(nnx.Module):
 
 
 def python_number_state(strategy: str):
-    """nnx.Variables holding a Python int and float are carried through every strategy's step
-    (compiled and pmap crashed on a leaf without a dtype); gradients are the global batch's."""
+    """nnx.Variables holding a Python int and float are carried through every strategy's step, per
+    rank (compiled and pmap crashed on a leaf without a dtype; from the second step the updated
+    value, an array by then, was taken for a buffer and broadcast from rank 0); gradients are the
+    global batch's."""
     model = Counted()
+    model.calls.set_value(10 * WORLD.rank)  # per rank: not a buffer of rank 0's, at any step
     ddp = DistributedDataParallel(model, strategy=strategy)
     ddp.broadcast(model)
     loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
@@ -247,7 +250,7 @@ def python_number_state(strategy: str):
     for _ in range(3):
         _, grads = grad_fn(model, whole if strategy == "pmap" else shards[WORLD.rank])
     want = nnx.grad(loss)(Counted(), whole)
-    common.report(WORLD.rank, f"python_numbers/{strategy}", calls=int(model.calls.get_value()),
+    common.report(WORLD.rank, f"python_numbers/{strategy}", calls=int(model.calls.get_value()), me=WORLD.rank,
                   decay=float(model.decay.get_value()), max_rel=rel_diff(nnx.state(grads, nnx.Param),
                                                                          nnx.state(want, nnx.Param)))
 

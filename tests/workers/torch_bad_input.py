@@ -164,6 +164,15 @@ def run(case: str, transport: str) -> None:
                 for _ in range(3 + 2 * w.rank):
                     ddp(torch.randn(8, 4)).sum().backward()
         ddp(torch.randn(8, 4)).sum().backward()
+    elif case == "late_hook_in_join":  # a hook registered after the first step, inside join(): refused
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+
+        ddp = DistributedDataParallel(nn.Linear(4, 2), transport=transport)
+        with ddp.join():
+            for step in range(3):
+                if step == 1:
+                    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                ddp(torch.randn(8, 4)).sum().backward()
     elif case == "partial_hook_everywhere":  # a functools.partial hook on every rank: legal
         import functools  # noqa: PLC0415
 
