@@ -53,10 +53,12 @@ def test_mpirun_world_and_rendezvous():
     # one write() per rank: a record is not split when mpirun merges the ranks' output
     """Rank and world from mpirun; on one host, the rendezvous and the watchdog on loopback (no traffic
     of portddp's own to an interface address)."""
+    # (the peer's address is read before a barrier: a rank that has written its record and left
+    # makes the other's watchdog close the socket to it -- getpeername() then fails, EBADF)
     code = ("import os, torch, portddp, torch.distributed as d; from portddp import launch; w = portddp.init(); "
+            "peer = launch._WATCHDOG.socks[1 - w.rank].getpeername()[0]; launch.allgather_object(None); "
             "os.write(1, f'WORLD {w.rank} {w.size} {w.launcher} {d.get_rank()} {d.get_world_size()} "
-            "{torch.get_num_threads()} {os.environ[\"MASTER_ADDR\"]} "
-            "{launch._WATCHDOG.socks[1 - w.rank].getpeername()[0]}\\n'.encode())")
+            "{torch.get_num_threads()} {os.environ[\"MASTER_ADDR\"]} {peer}\\n'.encode())")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120, env=env)
