@@ -333,7 +333,10 @@ class DistributedDataParallel(DDPCommon):
         """Reduce each bucket with `hook(state, bucket) -> Handle` (see portddp.jax.hooks).
 
         Call once, before the first synchronised step. Gradients then reach the bucket
-        undivided; the hook divides. Once the handle is done, bucket.buffer() holds the result."""
+        undivided; the hook divides. Once the handle is done, bucket.buffer() holds the result.
+        (portddp.torch also takes a hook registered later, as native DDP does; here the steps
+        already traced -- into your own jit, or compiled -- have fixed whether a hook reduces and
+        whether the buckets are lent, so a later hook is refused rather than half applied.)"""
         if self._hook is not None:
             raise RuntimeError("a comm hook is already registered; register_comm_hook can be called only once")
         if self._iterations:
