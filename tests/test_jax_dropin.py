@@ -87,6 +87,18 @@ def test_variables_holding_python_numbers_are_carried_through_the_step(two_ranks
         assert row["calls"] == 10 * row["me"] + 3 and row["decay"] == 0.5 ** 4 and row["max_rel"] <= 1e-12, row
 
 
+@pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
+def test_wrt_trains_a_subset_and_freezes_the_rest(two_ranks, pmap_world, strategy):
+    """DistributedDataParallel(model, wrt=F) beside nnx.Optimizer(model, tx, wrt=F) -- F = nnx.LoRAParam, or a
+    path filter taking the LoRA and a head held as plain arrays: the global batch's training with
+    nnx.DiffState(0, F); gradients only for what F selects; the frozen base is rank 0's on every rank."""
+    for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"wrt/{strategy}")[1]:
+        lora = ["['lora']['lora_a']", "['lora']['lora_b']"]
+        assert row["lora"]["grads"] == lora and row["path"]["grads"] == sorted(["['head']", "['head_b']", *lora]), row
+        for case in ("lora", "path"):
+            assert row[case]["max_rel"] <= 1e-12 and row[case]["base_is_rank0s"], row
+
+
 BAD = [
     ("tuple_loss_without_has_aux", r"TypeError: loss_fn must return a scalar; 'returns_pair' returned a tuple of 2 "
                                    r"values: to return \(loss, aux\) pass has_aux=True"),
@@ -106,6 +118,9 @@ BAD = [
     ("buffers_differ", r"model buffers differ across ranks: buffer #0 is \['bn'\]\['mean'\]\.value \(16,\) float32 on "
                        r"rank 0 but \['bn'\]\['mean'\]\.value \(17,\)"),
     ("broadcast_buffers_differ", r"broadcast_buffers is True on rank 0 but False on rank 1"),
+    ("no_param_in_module", r"ValueError: Plain holds no nnx\.Param \(its floating-point arrays: \['w'\]\), so "
+                           r"DistributedDataParallel has no gradient to reduce\..* or pass DistributedDataParallel"
+                           r"\(model, wrt=\.\.\.\) the filter your nnx\.Optimizer's wrt= uses"),
 ]
 
 

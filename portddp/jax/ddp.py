@@ -157,6 +157,11 @@ class DistributedDataParallel(DDPCommon):
             forward, as in PyTorch DDP. A plain pytree has no buffers.
         check_finite: (hooked) check every local gradient for NaN/Inf as XLA hands it over; if
             any rank finds one, every rank raises naming the parameters and ranks.
+        wrt: Flax NNX models only: an nnx filter for the state to differentiate and reduce
+            (default nnx.Param), the one your nnx.Optimizer's wrt= uses -- nnx.LoRAParam to
+            train adapters only, a path predicate for plain array attributes. Params it leaves
+            out are frozen, as PyTorch parameters with requires_grad=False: ddp.broadcast(model)
+            gives them rank 0's values once; no gradient is computed or reduced for them.
     """
 
     JOINED = JOINED
@@ -165,8 +170,9 @@ class DistributedDataParallel(DDPCommon):
     def __init__(self, params, bucket_cap_mb: float | str = 25.0, first_bucket_cap_mb: float = 1.0,
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
                  canonical=None, pmap_devices: int | None = None, check_finite: bool = False,
-                 broadcast_buffers: bool = True):
-        params = flax_nnx.params_of(params)  # an nnx.Module: its nnx.Param state
+                 broadcast_buffers: bool = True, wrt=None):
+        params = flax_nnx.params_of(params, wrt)  # an nnx.Module: its nnx.Param (or wrt=) state
+        self._nnx_wrt = wrt
         # Validate everything local before talking to other ranks: every rank sees the same
         # arguments, so every rank raises the same error.
         if strategy not in STRATEGIES:

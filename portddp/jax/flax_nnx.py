@@ -14,8 +14,11 @@ pytree), its buffers and its other state, runs `loss_fn` on the model merged
 back inside portddp's step, and writes the state the forward changed back into
 `model`. The model's state falls in three parts:
 
-* Params -- every nnx.Param (and subclass): the gradients.
-* Buffers -- every other array that is neither RNG state nor an
+* Params -- every nnx.Param (and subclass), or what DistributedDataParallel's
+  `wrt=` filter selects (nnx.LoRAParam; a path filter taking plain array
+  attributes): the gradients. A Param that `wrt=` leaves out is frozen: other
+  state, equal on every rank from `ddp.broadcast(model)` on.
+* Buffers -- every other array that is neither RNG state, an nnx.Param nor an
   nnx.Intermediate: BatchNorm's BatchStat, plain array attributes, custom
   nnx.Variable types. As in PyTorch DDP, `broadcast_buffers=True` (the
   default) replaces each rank's buffers with rank 0's before every synchronised
@@ -60,30 +63,56 @@ def is_module(x) -> bool:
     return "flax.nnx" in sys.modules and isinstance(x, _nnx().Module)
 
 
-def params_of(x):
-    """A module's nnx.Param state; anything else as it is."""
-    return _nnx().state(x, _nnx().Param) if is_module(x) else x
+def params_of(x, wrt=None):
+    """A module's differentiated state (`wrt`, an nnx filter; default nnx.Param); anything else as it is."""
+    if not is_module(x):
+        if wrt is not None:
+            raise TypeError(f"wrt= picks what to differentiate in a Flax nnx.Module; DistributedDataParallel got "
+                            f"a {type(x).__name__}: pass the pytree of exactly what you differentiate instead")
+        return x
+    nnx = _nnx()
+    state = nnx.state(x, nnx.Param if wrt is None else wrt)
+    if not jax.tree.leaves(state):
+        raise ValueError(_nothing_to_train(x, wrt))
+    return state
+
+
+def _nothing_to_train(model, wrt) -> str:
+    nnx = _nnx()
+    what = "no nnx.Param" if wrt is None else f"nothing that wrt={wrt!r} selects"
+    arrays = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model))[0]
+              if jnp.issubdtype(getattr(x, "dtype", jnp.int32), jnp.floating)]
+    seen = f" (its floating-point arrays: {', '.join(arrays[:4])}{' ...' if len(arrays) > 4 else ''})" if arrays else ""
+    return (f"{type(model).__name__} holds {what}{seen}, so DistributedDataParallel has no gradient to reduce. "
+            "portddp.jax differentiates a module's nnx.Param variables and treats its other arrays as buffers "
+            "(broadcast from rank 0, as PyTorch DDP's): hold trainable arrays in nnx.Param (self.w = "
+            "nnx.Param(...)), or pass DistributedDataParallel(model, wrt=...) the filter your nnx.Optimizer's "
+            "wrt= uses (e.g. one that selects plain array attributes by name)")
 
 
 def _is_buffer(_path, x) -> bool:
-    """The nnx filter for buffers: arrays that are neither RNG state, PRNG keys nor intermediates."""
+    """The nnx filter for buffers: arrays that are neither RNG state, PRNG keys, intermediates nor an
+    nnx.Param (a Param left out of DistributedDataParallel's wrt= is frozen: carried per rank, equal
+    on every rank from ddp.broadcast(model) on, never reduced nor broadcast again -- like a PyTorch
+    parameter with requires_grad=False)."""
     nnx = _nnx()
-    if isinstance(x, nnx.RngState | nnx.Intermediate):
+    if isinstance(x, nnx.RngState | nnx.Intermediate | nnx.Param):
         return False
     value = x.get_value() if isinstance(x, nnx.Variable) else x
     dtype = getattr(value, "dtype", None)
     return dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def split(model, others: frozenset | None = None):
-    """(graphdef, params, buffers, other): the three kinds of state described in the module docstring.
-    `others`: paths classified "other" before (split_for); they stay other -- a Variable holding a
-    Python number (a per-rank counter) is an array once a step has updated it, but is no buffer of
-    rank 0's to broadcast for that."""
+def split(model, others: frozenset | None = None, wrt=None):
+    """(graphdef, params, buffers, other): the three kinds of state described in the module docstring,
+    params being what `wrt` selects (default nnx.Param). `others`: paths classified "other" before
+    (split_for); they stay other -- a Variable holding a Python number (a per-rank counter) is an array
+    once a step has updated it, but is no buffer of rank 0's to broadcast for that."""
     nnx = _nnx()
+    wrt = nnx.Param if wrt is None else wrt
     if not others:
-        return nnx.split(model, nnx.Param, _is_buffer, ...)
-    return nnx.split(model, nnx.Param, lambda path, x: path not in others and _is_buffer(path, x), ...)
+        return nnx.split(model, wrt, _is_buffer, ...)
+    return nnx.split(model, wrt, lambda path, x: path not in others and _is_buffer(path, x), ...)
 
 
 def paths(state) -> frozenset:
@@ -93,7 +122,7 @@ def paths(state) -> frozenset:
 def split_for(ddp, model):
     """split(model) as `ddp` first saw it: what was other at its first split (broadcast or the first
     step) stays other at every later one, so the step's state keeps its structure."""
-    out = split(model, getattr(ddp, "_nnx_others", None))
+    out = split(model, getattr(ddp, "_nnx_others", None), getattr(ddp, "_nnx_wrt", None))
     if getattr(ddp, "_nnx_others", None) is None:
         ddp._nnx_others = paths(out[3])
     return out
@@ -106,6 +135,9 @@ def broadcast(ddp, model):
 
     _graphdef, params, buffers, _other = split_for(ddp, model)
     params = ddp.broadcast(params)
+    if getattr(ddp, "_nnx_wrt", None) is not None:  # and the Params left out of wrt= (frozen): once, here
+        nnx = _nnx()
+        buffers = nnx.State.merge(buffers, nnx.state(model, nnx.All(nnx.Param, nnx.Not(ddp._nnx_wrt))))
     leaves = jax.tree_util.tree_flatten_with_path(buffers)[0]
     if ddp.world_size > 1:
         everyone = ddp._comm.allgather_object({
@@ -146,7 +178,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         # Flax refuses to mutate a Variable created at another trace level).
         model = nnx.merge(graphdef, params, *state, copy=True)
         loss, aux = checked(model, batch)
-        _, _, buffers, other = split(model, paths(state[1]))
+        _, _, buffers, other = split(model, paths(state[1]), getattr(ddp, "_nnx_wrt", None))
         return loss, (aux, (buffers, other))
 
     step = ddp._grad_step(pure)

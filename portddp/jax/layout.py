@@ -127,9 +127,10 @@ class Layout:
         fix = ("The bucket plan and its buffers are sized for the parameters DistributedDataParallel was built "
                "with: build a new one (and a new optimizer state) after changing the model, and pass the same "
                "pytree (for Flax NNX: the model, or nnx.state(model, nnx.Param)) at every call. Flax NNX: "
-               "nnx_value_and_grad differentiates every nnx.Param, so build DistributedDataParallel from the model "
-               "itself; to train a subset (LoRA, a frozen backbone) choose it in the optimizer "
-               "(nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)), not in DistributedDataParallel")
+               "nnx_value_and_grad differentiates every nnx.Param, or what DistributedDataParallel(model, wrt=...) "
+               "selects, so build it from the model itself; to train a subset (LoRA, a frozen backbone) pass the "
+               "filter your optimizer uses (DistributedDataParallel(model, wrt=nnx.LoRAParam) beside "
+               "nnx.Optimizer(model, tx, wrt=nnx.LoRAParam))")
         if new or gone:
             def some(xs):
                 return ", ".join(xs[:5]) + (f" and {len(xs) - 5} more" if len(xs) > 5 else "")

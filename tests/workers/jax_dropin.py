@@ -255,6 +255,55 @@ def python_number_state(strategy: str):
                                                                          nnx.state(want, nnx.Param)))
 
 
+class Adapted(nnx.Module):
+    """A base Linear (nnx.Param), a LoRA adapter on it (nnx.LoRAParam) and a head held as plain arrays
+    (Flax's array-leaves style): three ways a module holds trainable-or-not state."""
+
+    def __init__(self, seed: int):
+        rngs = nnx.Rngs(params=seed)
+        self.base = nnx.Linear(IN, HID, rngs=rngs, dtype=F64, param_dtype=F64)
+        self.lora = nnx.LoRA(IN, 2, HID, rngs=rngs, dtype=F64, param_dtype=F64)
+        self.lora.lora_b.set_value(jax.random.normal(rngs.params(), (2, HID), F64) / 4)  # (zeros: no grad for a)
+        self.head = jax.random.normal(rngs.params(), (HID, OUT), F64) / 4
+        self.head_b = jnp.zeros(OUT, F64)
+
+    def __call__(self, x):
+        return jnp.tanh(self.base(x) + self.lora(x)) @ self.head + self.head_b
+
+
+def _adapters(path, x) -> bool:  # a path filter, as in Flax's array-leaves example: the LoRA and the plain head
+    return isinstance(x, nnx.LoRAParam) or path[-1] in ("head", "head_b")
+
+
+def wrt_subset(strategy: str):
+    """DistributedDataParallel(model, wrt=F) with nnx.Optimizer(model, tx, wrt=F): three sgd steps equal the
+    single-process global batch's with nnx.DiffState(0, F); the Params F leaves out are frozen: rank 0's
+    after ddp.broadcast(model) (rank 1 starts from other values), no gradient, never changed."""
+    mse = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+    world = 2 if strategy == "pmap" else WORLD.size
+    wholes = [tuple(np.concatenate(p) for p in zip(*(batch_of(r, s) for r in range(world)))) for s in range(3)]
+    shards = wholes if strategy == "pmap" else [batch_of(WORLD.rank, s) for s in range(3)]
+    out = {}
+    for name, wrt in (("lora", nnx.LoRAParam), ("path", _adapters)):
+        model = Adapted(seed=WORLD.rank)
+        ddp = DistributedDataParallel(model, wrt=wrt, strategy=strategy, bucket_cap_mb=CAP_MB)
+        ddp.broadcast(model)
+        opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=wrt)
+        grad_fn = ddp.nnx_value_and_grad(mse)
+        for batch in shards:
+            _, grads = grad_fn(model, batch)
+            opt.update(model, grads)
+        ref = Adapted(seed=0)
+        ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=wrt)
+        for batch in wholes:
+            ref_opt.update(ref, nnx.grad(mse, argnums=nnx.DiffState(0, wrt))(ref, batch))
+        out[name] = {"max_rel": rel_diff(nnx.state(model), nnx.state(ref)),
+                     "grads": sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+                         nnx.to_pure_dict(grads))[0]),
+                     "base_is_rank0s": bool(jnp.array_equal(model.base.kernel[...], Adapted(seed=0).base.kernel[...]))}
+    common.report(WORLD.rank, f"wrt/{strategy}", **out)
+
+
 # ------------------------------------------------------------------ bad input
 def bad(case: str) -> None:
     last = WORLD.rank == WORLD.size - 1
@@ -299,6 +348,12 @@ def bad(case: str) -> None:
         if last:
             model.bn.mean = nnx.BatchStat(jnp.zeros(HID + 1, model.bn.mean[...].dtype))
         DistributedDataParallel(model).broadcast(model)
+    elif case == "no_param_in_module":  # Flax's array-leaves style, its weights plain arrays
+        class Plain(nnx.Module):
+            def __init__(self):
+                self.w = jnp.ones((IN, OUT), F64)
+
+        DistributedDataParallel(Plain())
     elif case == "broadcast_buffers_differ":
         model = net(WORLD.rank, 100)
         DistributedDataParallel(model, broadcast_buffers=not last).broadcast(model)
@@ -308,8 +363,7 @@ def bad(case: str) -> None:
 
 BAD_CASES = ("tuple_loss_without_has_aux", "nnx_tuple_loss_without_has_aux", "has_aux_without_pair", "compiled_inside_jit", "rngs_captured_outside",
              "key_in_params", "module_to_pytree_grad_fn", "key_in_batch_compiled", "scalar_in_batch_compiled",
-             "buffers_differ",
-             "broadcast_buffers_differ")
+             "buffers_differ", "broadcast_buffers_differ", "no_param_in_module")
 
 
 def all_bad_cases() -> None:
@@ -337,6 +391,7 @@ def main(strategies):
         unused_leaves(strategy)
         has_aux(strategy)
         python_number_state(strategy)
+        wrt_subset(strategy)
     if "hooked" in strategies:
         nnx_train("hooked", jit=True)
         nnx_train("hooked", broadcast_buffers=False)
