@@ -269,6 +269,7 @@ _WORLD: World | None = None
 MADE_C10D = False
 """True once init() has created c10d's default group (portddp.torch lets a script's own
 init_process_group() adopt it)."""
+_C10D_PID = 0  # the process that made it
 
 
 def world() -> World:
@@ -482,8 +483,8 @@ def _init_c10d(w: World, backend: str, timeout_s: float) -> None:
         world_size=w.size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    global MADE_C10D
-    MADE_C10D = True
+    global MADE_C10D, _C10D_PID
+    MADE_C10D, _C10D_PID = True, os.getpid()
     # We made it, so we take it down at exit: left to the interpreter's teardown, Gloo's threads
     # sometimes abort the process ("terminate called without an active exception") after the
     # script has finished.
@@ -495,6 +496,8 @@ def _destroy_c10d() -> None:
 
     import torch.distributed as dist  # noqa: PLC0415
 
+    if os.getpid() != _C10D_PID:  # a child forked from the rank: the group is the parent's (its threads are not here)
+        return
     if dist.is_initialized():
         # First free what still refers to the group's work (a DDP wrapper the script dropped, its
         # last iteration's futures, in reference cycles the collector has not reached yet): freed

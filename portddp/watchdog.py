@@ -359,6 +359,7 @@ class Watchdog:
         self._sig_r.setblocking(False)
         self._sig_w.setblocking(False)
         self._selector.register(self._sig_r, selectors.EVENT_READ, "signal")
+        self._forked = False  # set in a child forked from this rank (_forget_in_child)
         self._thread = threading.Thread(target=self._run, name="portddp-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.finished)
@@ -656,6 +657,8 @@ class Watchdog:
         the handlers registered before -- mpi4py's MPI_Finalize, jax.distributed's shutdown --
         wait for every rank, and the others have just been told to stop without them (MPICH's
         Finalize then blocks in its PMI barrier for ever, seen about once in 15 runs)."""
+        if self._forked:  # a child forked from this rank: not the rank (_forget_in_child)
+            return
         with self._lock:
             say_bye, self._done = not self._done, True
         if self._failed and threading.current_thread() is threading.main_thread():
@@ -741,6 +744,29 @@ def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: floa
     global _ACTIVE
     _ACTIVE = Watchdog(rank, server, peers, interval_s, stall_s=stall_s)
     return _ACTIVE
+
+
+def _forget_in_child() -> None:
+    """In a process forked from a rank (a background checkpoint writer, a fork-started worker):
+    it inherits the watchdog's exit handler, excepthook, SIGTERM handler and sockets, but it is
+    not the rank -- its exception or its exit must not tell the peers that the rank failed or
+    left (which stopped a healthy job, naming the parent). The child keeps quiet; the rank's
+    own watchdog goes on in the parent."""
+    w = _ACTIVE
+    if w is None:
+        return
+    w._forked = w._done = True
+    if sys.excepthook == w._on_uncaught:
+        sys.excepthook = w._excepthook
+    try:
+        if signal.getsignal(signal.SIGTERM) == w._on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):
+        pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def reclaim() -> None:
