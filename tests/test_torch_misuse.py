@@ -98,3 +98,20 @@ def test_a_parameter_unfrozen_after_wrapping_is_named():
     mpi.errors_on_every_rank(proc, 2, r"trainable parameters changed after DistributedDataParallel wrapped it: 3 "
                                       r"then, 4 now \(added: \['0.weight'\]")
 
+
+
+def test_distributed_autograd_is_refused_on_every_rank():
+    """RPC training (dist_autograd.backward) puts gradients in its context, never in .grad: native's
+    reducer reduces them there; portddp's hooks would never fire (no error, each rank stepped alone)."""
+    import socket  # noqa: PLC0415
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(str(s.getsockname()[1]))
+    proc = mpi.run(None, "tests.workers.dist_autograd", *ports, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mpi.errors_on_every_rank(proc, 2, r"NotImplementedError: this forward runs inside a torch\.distributed\.autograd "
+                                      r"context .* use torch\.nn\.parallel\.DistributedDataParallel for distributed "
+                                      r"autograd")

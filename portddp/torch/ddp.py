@@ -49,6 +49,7 @@ method names for the same roles. What PyTorch has that JAX has not:
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import weakref
 
@@ -107,6 +108,18 @@ class GradBucket(GradBucketCommon):
 
 _OWNERS: "weakref.WeakValueDictionary[int, DistributedDataParallel]" = weakref.WeakValueDictionary()
 """id(parameter) -> the live wrapper whose gradient hooks it carries."""
+
+
+def _in_dist_autograd() -> bool:
+    """Whether this thread is inside a torch.distributed.autograd context (RPC started; cheap otherwise)."""
+    rpc = sys.modules.get("torch.distributed.rpc")
+    if rpc is None or not rpc.is_available() or not rpc.api._is_current_rpc_agent_set():
+        return False
+    try:
+        torch.distributed.autograd._current_context()
+    except RuntimeError:  # "... doesn't have a valid autograd context"
+        return False
+    return True
 
 
 class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
@@ -476,6 +489,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 "which now owns them (their gradient hooks are the newer one's): use the newer wrapper, or call "
                 "this one's module directly (ddp.module(...)) for a forward without DDP")
         self._check_parameters_unchanged()
+        if torch.is_grad_enabled() and _in_dist_autograd():
+            raise NotImplementedError(
+                "this forward runs inside a torch.distributed.autograd context (RPC training, "
+                "dist_autograd.backward): its gradients go to that context, never to .grad, so portddp's hooks "
+                "would never see them and every rank would step on its own local gradient. portddp.torch "
+                "reduces .grad only: use torch.nn.parallel.DistributedDataParallel for distributed autograd")
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._step_count += torch.is_grad_enabled()  # compared across ranks at every reduction
         if grad_sync:
