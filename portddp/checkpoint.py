@@ -521,10 +521,13 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
 def _check_matches(payload: dict, ddp, path, frontend: str) -> None:
     if payload["framework"] != frontend:
         raise CheckpointError(f"{path} was saved by portddp.{payload['framework']}; this is portddp.{frontend}")
-    if payload["world_size"] != ddp.world_size:
+    if payload["world_size"] != ddp.world_size and payload["rng_ranks"] == "all":
+        # (a save by rank 0 alone holds replicated state and rank 0's random state: it loads at any size)
         raise CheckpointError(f"{path} was saved by a job of {payload['world_size']} ranks; this one has "
-                              f"{ddp.world_size}: the per-rank random states would not line up. Resume with "
-                              f"mpirun -n {payload['world_size']}")
+                              f"{ddp.world_size}: the per-rank random states it holds (collective=True) would not "
+                              f"line up. Resume with mpirun -n {payload['world_size']}, or, to change the world "
+                              "size, save with `if rank == 0: save(...)` (collective=False), which keeps rank 0's "
+                              "random state only and loads at any world size")
     mine = _model_specs(ddp)
     saved = payload["specs"]
     if saved != mine:

@@ -246,3 +246,32 @@ def test_a_kill_between_the_two_renames_is_recovered_by_find(tmp_path, monkeypat
         checkpoint.read(checkpoint.find(path))
     checkpoint.write(path, {"step": 3})  # a finished save clears the leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_another_world_size_loads_a_rank_0_save_and_refuses_a_collective_one(tmp_path):
+    """A save by rank 0 alone holds replicated state and rank 0's random state: it loads in a job of
+    another size (to evaluate at -n 1, or to go on with more ranks). A collective save holds every
+    rank's random state, which would not line up: refused, naming both ways. (The files are a
+    single-process save with the saving job's size rewritten, as a job of 2 would have written it.)"""
+    jnp = pytest.importorskip("jax.numpy")
+    from portddp.jax import DistributedDataParallel  # noqa: PLC0415
+
+    params = {"w": jnp.arange(4.0).reshape(2, 2)}
+    ddp = DistributedDataParallel(params)
+    for collective in (False, True):
+        path = tmp_path / f"ck{collective}"
+        checkpoint.save(path, ddp, step=3, params=params, collective=collective)
+        payload = checkpoint.read(path)
+        payload["world_size"] = 2
+        if collective:
+            payload["rng"] = payload["rng"] * 2
+        checkpoint.write(path, payload)
+        if collective:
+            with pytest.raises(CheckpointError, match=r"saved by a job of 2 ranks; this one has 1: the per-rank random "
+                                                      r"states it holds \(collective=True\) would not line up\. Resume "
+                                                      r"with mpirun -n 2, or, to change the world size, save with"):
+                checkpoint.load(path, ddp)
+        else:
+            got = checkpoint.load(path, ddp)
+            assert got.step == 3 and got.rng_restored
+            same(np.asarray(got.params["w"]), np.asarray(params["w"]))
