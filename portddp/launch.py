@@ -28,7 +28,9 @@ import sys
 __all__ = ["World", "detect", "init", "world", "mpi_comm", "allgather_object", "export_torchrun_env",
            "DEFAULT_TIMEOUT_S"]
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("PORTDDP_TIMEOUT_S", 300))
+from portddp.watchdog import env_seconds  # noqa: E402
+
+DEFAULT_TIMEOUT_S = env_seconds("PORTDDP_TIMEOUT_S", 300)
 """Collective timeout (seconds) for c10d; override with init(timeout_s=...) or
 the PORTDDP_TIMEOUT_S environment variable."""
 
@@ -312,6 +314,8 @@ def init(
     _pin_threads(w, num_threads)
     export_torchrun_env(rendezvous=w.size > 1)
     timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
+    if not (isinstance(timeout_s, int | float) and timeout_s > 0):
+        raise ValueError(f"portddp.init(timeout_s={timeout_s!r}): pass the collective timeout in seconds, a number > 0")
     if torch_distributed:
         _init_c10d(w, backend or "gloo", timeout_s)
     _WORLD = w

@@ -727,20 +727,32 @@ def _is_c10d_timeout(value) -> bool:
     return "Timed out" in text or "timed out" in text and ("gloo" in text.lower() or "c10d" in text.lower())
 
 
+def env_seconds(name: str, default: float, *, zero_means: str | None = None) -> float:
+    """Environment variable `name` as seconds (`default` when unset): a number > 0, or >= 0 where
+    `zero_means` says what 0 does; anything else is refused naming the variable and the fix."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if value > 0 or (value == 0 and zero_means is not None):
+        return value
+    allowed = "a number of seconds > 0" + (f", or 0 ({zero_means})" if zero_means else "")
+    raise ValueError(f"{name}={raw!r}: set it to {allowed}, e.g. {name}={default:g}, or unset it "
+                     f"(default {default:g})")
+
+
 def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: float | None = None,
           stall_s: float | None = None) -> Watchdog:
     """Connect to every rank in `peers` ((address, port, hostname, pid) each, in rank order, from
     `listen`) and watch them. `stall_s`: PORTDDP_STALL_S, else 80 % of PORTDDP_TIMEOUT_S (300 s)."""
     if interval_s is None:
-        interval_s = float(os.environ.get("PORTDDP_WATCHDOG_S", 0.25))
-    if not interval_s > 0:
-        raise ValueError(f"PORTDDP_WATCHDOG_S={interval_s!r}: pass a polling interval in seconds > 0")
-    if "PORTDDP_STALL_S" in os.environ:
-        stall_s = float(os.environ["PORTDDP_STALL_S"])
-    elif stall_s is None:
-        stall_s = 0.8 * float(os.environ.get("PORTDDP_TIMEOUT_S", 300))
-    if not stall_s >= 0:
-        raise ValueError(f"PORTDDP_STALL_S={stall_s!r}: pass seconds >= 0 (0 turns the stall inspector off)")
+        interval_s = env_seconds("PORTDDP_WATCHDOG_S", 0.25)
+    if stall_s is None:
+        stall_s = 0.8 * env_seconds("PORTDDP_TIMEOUT_S", 300)
+    stall_s = env_seconds("PORTDDP_STALL_S", stall_s, zero_means="the stall inspector off")
     global _ACTIVE
     _ACTIVE = Watchdog(rank, server, peers, interval_s, stall_s=stall_s)
     return _ACTIVE

@@ -107,3 +107,22 @@ def test_torch_and_jax_distributed_in_one_process():
     # Ranks share one stdout: match records, not lines.
     found = sorted(re.findall(r"BOTH (\d) (\d) (\d) (\d)", proc.stdout))
     assert found == [("0", "2", "2", "0"), ("1", "2", "2", "1")], proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name,value,zero_means", [("PORTDDP_TIMEOUT_S", "abc", None), ("PORTDDP_TIMEOUT_S", "0", None),
+                                                   ("PORTDDP_TIMEOUT_S", "-5", None), ("PORTDDP_WATCHDOG_S", "nan", None),
+                                                   ("PORTDDP_STALL_S", "-1", "the stall inspector off")])
+def test_time_settings_in_the_environment_are_checked_naming_the_variable(monkeypatch, name, value, zero_means):
+    """(Was: float()'s bare "could not convert string to float: 'abc'" while portddp was imported, or
+    c10d's "timed out after 0ms" connecting.)"""
+    from portddp.watchdog import env_seconds  # noqa: PLC0415
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=rf"^{name}='{value}': set it to a number of seconds > 0.*, or unset it"):
+        env_seconds(name, 300, zero_means=zero_means)
+    monkeypatch.setenv(name, "2.5")
+    assert env_seconds(name, 300, zero_means=zero_means) == 2.5
+    monkeypatch.setenv("PORTDDP_STALL_S", "0")
+    assert env_seconds("PORTDDP_STALL_S", 240, zero_means="the stall inspector off") == 0
+    monkeypatch.delenv(name)
+    assert env_seconds(name, 300) == 300

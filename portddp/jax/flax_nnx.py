@@ -137,7 +137,7 @@ def broadcast(ddp, model):
     params = ddp.broadcast(params)
     if getattr(ddp, "_nnx_wrt", None) is not None:  # and the Params left out of wrt= (frozen): once, here
         nnx = _nnx()
-        buffers = nnx.State.merge(buffers, nnx.state(model, nnx.All(nnx.Param, nnx.Not(ddp._nnx_wrt))))
+        buffers = nnx.merge_state(buffers, nnx.state(model, nnx.All(nnx.Param, nnx.Not(ddp._nnx_wrt))))
     leaves = jax.tree_util.tree_flatten_with_path(buffers)[0]
     if ddp.world_size > 1:
         everyone = ddp._comm.allgather_object({
