@@ -25,10 +25,10 @@ import re
 import socket
 import sys
 
+from portddp.watchdog import env_seconds
+
 __all__ = ["World", "detect", "init", "world", "mpi_comm", "allgather_object", "export_torchrun_env",
            "DEFAULT_TIMEOUT_S"]
-
-from portddp.watchdog import env_seconds  # noqa: E402
 
 DEFAULT_TIMEOUT_S = env_seconds("PORTDDP_TIMEOUT_S", 300)
 """Collective timeout (seconds) for c10d; override with init(timeout_s=...) or

@@ -70,11 +70,15 @@ def params_of(x, wrt=None):
             raise TypeError(f"wrt= picks what to differentiate in a Flax nnx.Module; DistributedDataParallel got "
                             f"a {type(x).__name__}: pass the pytree of exactly what you differentiate instead")
         return x
-    nnx = _nnx()
-    state = nnx.state(x, nnx.Param if wrt is None else wrt)
+    state = _nnx().state(x, _trained(wrt))
     if not jax.tree.leaves(state):
         raise ValueError(_nothing_to_train(x, wrt))
     return state
+
+
+def _trained(wrt):
+    """The nnx filter for the state DistributedDataParallel differentiates: `wrt=`, else nnx.Param."""
+    return _nnx().Param if wrt is None else wrt
 
 
 def _nothing_to_train(model, wrt) -> str:
@@ -109,10 +113,9 @@ def split(model, others: frozenset | None = None, wrt=None):
     (split_for); they stay other -- a Variable holding a Python number (a per-rank counter) is an array
     once a step has updated it, but is no buffer of rank 0's to broadcast for that."""
     nnx = _nnx()
-    wrt = nnx.Param if wrt is None else wrt
     if not others:
-        return nnx.split(model, wrt, _is_buffer, ...)
-    return nnx.split(model, wrt, lambda path, x: path not in others and _is_buffer(path, x), ...)
+        return nnx.split(model, _trained(wrt), _is_buffer, ...)
+    return nnx.split(model, _trained(wrt), lambda path, x: path not in others and _is_buffer(path, x), ...)
 
 
 def paths(state) -> frozenset:
@@ -122,7 +125,7 @@ def paths(state) -> frozenset:
 def split_for(ddp, model):
     """split(model) as `ddp` first saw it: what was other at its first split (broadcast or the first
     step) stays other at every later one, so the step's state keeps its structure."""
-    out = split(model, getattr(ddp, "_nnx_others", None), getattr(ddp, "_nnx_wrt", None))
+    out = split(model, getattr(ddp, "_nnx_others", None), ddp._nnx_wrt)
     if getattr(ddp, "_nnx_others", None) is None:
         ddp._nnx_others = paths(out[3])
     return out
@@ -135,7 +138,7 @@ def broadcast(ddp, model):
 
     _graphdef, params, buffers, _other = split_for(ddp, model)
     params = ddp.broadcast(params)
-    if getattr(ddp, "_nnx_wrt", None) is not None:  # and the Params left out of wrt= (frozen): once, here
+    if ddp._nnx_wrt is not None:  # and the Params left out of wrt= (frozen): once, here
         nnx = _nnx()
         buffers = nnx.merge_state(buffers, nnx.state(model, nnx.All(nnx.Param, nnx.Not(ddp._nnx_wrt))))
     leaves = jax.tree_util.tree_flatten_with_path(buffers)[0]
@@ -178,7 +181,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         # Flax refuses to mutate a Variable created at another trace level).
         model = nnx.merge(graphdef, params, *state, copy=True)
         loss, aux = checked(model, batch)
-        _, _, buffers, other = split(model, paths(state[1]), getattr(ddp, "_nnx_wrt", None))
+        _, _, buffers, other = split(model, paths(state[1]), ddp._nnx_wrt)
         return loss, (aux, (buffers, other))
 
     step = ddp._grad_step(pure)
