@@ -283,9 +283,9 @@ def check_same_hook(everyone: Sequence[tuple[str, dict] | None], rank: int) -> N
         where = ", ".join(f"rank {r}: {h or 'none'}" for r, h in enumerate(names))
         raise RuntimeError(
             f"comm hooks differ across ranks ({where}; this is rank {rank}): every rank must call "
-            "register_comm_hook with the same hook before the first backward (or, portddp.torch, at the same "
-            "step) (a hook registered on some ranks "
-            "only reduces buckets of other sizes than the others', which MPI and Gloo cannot pair)")
+            "register_comm_hook with the same hook before the first backward, or (portddp.torch) at the same "
+            "later step: a hook registered on some ranks only reduces buckets of other sizes than the others', "
+            "which MPI and Gloo cannot pair")
     if names[0] is None:
         return
     first = everyone[0][1]
