@@ -121,6 +121,9 @@ BAD = [
     ("no_param_in_module", r"ValueError: Plain holds no nnx\.Param \(its floating-point arrays: \['w'\]\), so "
                            r"DistributedDataParallel has no gradient to reduce\..* or pass DistributedDataParallel"
                            r"\(model, wrt=\.\.\.\) the filter your nnx\.Optimizer's wrt= uses"),
+    ("frozen_params_differ", r"ValueError: parameter values differ across ranks at the first synchronised step "
+                             r"\(rank 1 vs rank 0; .*with wrt=, ddp\.broadcast\(model\) gives the Params it leaves "
+                             r"out -- frozen, compared here too -- rank 0's values as well"),
 ]
 
 

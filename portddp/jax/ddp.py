@@ -171,7 +171,7 @@ class DistributedDataParallel(DDPCommon):
                  strategy: str = "hooked", transport: str = "mpi", overlap: bool = True, order=None,
                  canonical=None, pmap_devices: int | None = None, check_finite: bool = False,
                  broadcast_buffers: bool = True, wrt=None):
-        params = flax_nnx.params_of(params, wrt)  # an nnx.Module: its nnx.Param (or wrt=) state
+        model, params = params, flax_nnx.params_of(params, wrt)  # an nnx.Module: its nnx.Param (or wrt=) state
         self._nnx_wrt = wrt
         # Validate everything local before talking to other ranks: every rank sees the same
         # arguments, so every rank raises the same error.
@@ -222,7 +222,9 @@ class DistributedDataParallel(DDPCommon):
         self.rank = self._comm.rank
         self._inv_world = 1.0 / self.world_size
         self._values_differ: list[int] = []  # ranks whose parameter values differ from rank 0's (construction)
-        self._verify_same_model(specs, _fingerprint(self._layout.leaves_of(params).values()))
+        # (with wrt=, the frozen Params too: ddp.broadcast(model) gives them rank 0's values, as the trained ones)
+        self._verify_same_model(specs, _fingerprint([*self._layout.leaves_of(params).values(),
+                                                     *flax_nnx.frozen_of(model, wrt)]))
         if strategy == "compiled":
             compiled.process_devices(self.world_size)  # fails early without jax.distributed
         if strategy == "hooked":
@@ -269,24 +271,29 @@ class DistributedDataParallel(DDPCommon):
         if None not in prints:
             self._values_differ = [r for r, f in enumerate(prints) if f != prints[0]]
 
-    def _check_same_values(self, params, traced: bool) -> None:
+    def _check_same_values(self, params, traced: bool, frozen=()) -> None:
         """The first synchronised step, if the parameters differed across ranks at construction and
         broadcast() was not called: compare them again (eager; a collective every rank issues, the
         flag being the same everywhere) and refuse to average gradients of different models. Under
-        the caller's jax.jit there are no values to compare: a warning instead."""
+        the caller's jax.jit there are no values to compare: a warning instead. `frozen`: the leaves
+        of the Params an NNX model's wrt= leaves out, compared with the trained ones (a replica
+        whose frozen base differs trains apart as surely)."""
         differ, self._values_differ = self._values_differ, []
         if not differ or self.world_size == 1:
             return
         fix = ("every rank must start from the same parameters: call params = ddp.broadcast(params) once after "
                "building DistributedDataParallel (native DDP does this at construction), or initialise them from "
                "the same seed on every rank")
+        if frozen:
+            fix += (" (with wrt=, ddp.broadcast(model) gives the Params it leaves out -- frozen, compared here too -- "
+                    "rank 0's values as well)")
         if traced:
             warnings.warn(f"the parameters' values differed across ranks when DistributedDataParallel was built (rank "
                           f"{', '.join(map(str, differ))} vs rank 0) and broadcast() was not called since; unless "
                           f"they were made equal since, the replicas train apart: {fix}", RuntimeWarning, stacklevel=3)
             return
         # (None: no values to compare here -- a reduce() of gradients no grad_fn call computed)
-        mine = _fingerprint(self._layout.leaves_of(params).values()) if params is not None else None
+        mine = _fingerprint([*self._layout.leaves_of(params).values(), *frozen]) if params is not None else None
         self._issue("parameter values check")
         with watchdog.waiting():
             prints = self._comm.allgather_object(mine)
@@ -571,7 +578,8 @@ class DistributedDataParallel(DDPCommon):
             traced = taps.traced((params, state, batch))
             self._traced_seen |= bool(traced)
             if sync and self._values_differ:
-                self._check_same_values(params, taps.traced(params))
+                frozen = flax_nnx.frozen_of(state[1], self._nnx_wrt) if isinstance(state, tuple) else []
+                self._check_same_values(params, taps.traced(params), frozen)
             self._step_count += not traced  # (traced: counted when the program runs, by _begin_iteration)
             if traced and not sync:  # an accumulation step inside the caller's jit: counted when it runs
                 taps.host_call(taps.reporting(lambda: me._count_step(), self._callback_errors),

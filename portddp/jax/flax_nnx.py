@@ -47,7 +47,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["broadcast", "is_module", "named_errors", "params_of", "split", "value_and_grad"]
+__all__ = ["broadcast", "frozen_of", "is_module", "named_errors", "params_of", "split", "value_and_grad"]
 
 
 def _nnx():
@@ -79,6 +79,16 @@ def params_of(x, wrt=None):
 def _trained(wrt):
     """The nnx filter for the state DistributedDataParallel differentiates: `wrt=`, else nnx.Param."""
     return _nnx().Param if wrt is None else wrt
+
+
+def frozen_of(x, wrt) -> list:
+    """The leaves of the Params that `wrt` leaves out (frozen), in a module or in a step's "other"
+    state (where split puts them); none without wrt= (every Param is trained) or for a plain pytree."""
+    if wrt is None or not (is_module(x) or type(x).__name__ == "State"):
+        return []
+    nnx = _nnx()
+    frozen = nnx.All(nnx.Param, nnx.Not(wrt))
+    return jax.tree.leaves(nnx.state(x, frozen) if is_module(x) else x.filter(frozen))
 
 
 def _nothing_to_train(model, wrt) -> str:

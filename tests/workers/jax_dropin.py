@@ -354,6 +354,11 @@ def bad(case: str) -> None:
                 self.w = jnp.ones((IN, OUT), F64)
 
         DistributedDataParallel(Plain())
+    elif case == "frozen_params_differ":  # wrt= trains the LoRA (equal); the frozen base is per rank; no broadcast
+        model = Adapted(seed=WORLD.rank)
+        model.lora = Adapted(seed=0).lora
+        ddp = DistributedDataParallel(model, wrt=nnx.LoRAParam)
+        ddp.nnx_value_and_grad(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))(model, batch)
     elif case == "broadcast_buffers_differ":
         model = net(WORLD.rank, 100)
         DistributedDataParallel(model, broadcast_buffers=not last).broadcast(model)
@@ -363,7 +368,7 @@ def bad(case: str) -> None:
 
 BAD_CASES = ("tuple_loss_without_has_aux", "nnx_tuple_loss_without_has_aux", "has_aux_without_pair", "compiled_inside_jit", "rngs_captured_outside",
              "key_in_params", "module_to_pytree_grad_fn", "key_in_batch_compiled", "scalar_in_batch_compiled",
-             "buffers_differ", "broadcast_buffers_differ", "no_param_in_module")
+             "buffers_differ", "broadcast_buffers_differ", "no_param_in_module", "frozen_params_differ")
 
 
 def all_bad_cases() -> None:
