@@ -125,6 +125,8 @@ BAD = [
     ("integer_leaf", r"leaf \['enc'\]\['step'\] has dtype int32, which has no gradient"),
     ("python_float_leaf", r"leaf \['enc'\]\['scale'\] is a Python float, not an array: make it one"),
     ("complex_leaf", r"leaf \['enc'\]\['phase'\] is complex \(complex64\): portddp\.jax reduces real"),
+    ("float8_leaf", r"leaf \['enc'\]\['scale'\] has dtype float8_e4m3fn, which portddp\.jax does not reduce \(it "
+                    r"reduces float16, bfloat16, float32, float64\): keep the parameter in one of those"),
     ("loss_not_scalar", r"loss_fn must return a scalar; '<lambda>' returned shape \(3, 4\)"),
     ("cap_differs", r"DistributedDataParallel arguments differ across ranks: bucket_cap_mb is 25\.0 on rank 0 but "
                     r"5\.0 on rank 1; every rank must pass the same bucket_cap_mb"),

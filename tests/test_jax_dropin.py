@@ -146,3 +146,15 @@ def test_bad_cases_are_all_listed():
     worker = (Path(__file__).parent / "workers" / "jax_dropin.py").read_text()
     listed = re.search(r"BAD_CASES = \((.*?)\)\n", worker, re.S).group(1)
     assert sorted(re.findall(r'"(\w+)"', listed)) == sorted(c for c, _ in BAD)
+
+
+@pytest.mark.parametrize("strategy,pattern", [
+    ("hooked", r"OK$"),
+    ("compiled", r"ValueError: strategy='compiled' splits every batch leaf along its first axis over the processes, "
+                 r"but batch leaf \[2\] is a scalar \(float64\): give it a leading batch axis"),
+    ("pmap", r"ValueError: strategy='pmap' splits every batch leaf along its first axis over the 2 devices, but a "
+             r"batch leaf is a scalar \(float64\): give it a leading batch axis"),
+])
+def test_a_scalar_batch_leaf_is_named_where_the_batch_is_split(two_ranks, pmap_world, strategy, pattern):
+    for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"scalar_batch/{strategy}")[1]:
+        assert re.match(pattern, row["outcome"]), row["outcome"]

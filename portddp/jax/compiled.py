@@ -99,6 +99,10 @@ def process_devices(world: int):
 def _split_for_devices(batch, n: int):
     def split(x):
         x = np.asarray(x)
+        if x.ndim == 0:
+            raise ValueError(f"strategy='pmap' splits every batch leaf along its first axis over the {n} devices, but "
+                             f"a batch leaf is a scalar ({x.dtype}): give it a leading batch axis, or keep per-step "
+                             "constants (and RNG keys) out of the batch -- e.g. in the closure of loss_fn")
         if x.shape[0] % n:
             raise ValueError(f"strategy='pmap' splits the batch over {n} devices, but a batch leaf has "
                              f"{x.shape[0]} rows: use a multiple of {n}")

@@ -21,6 +21,9 @@ from portddp.buckets import BucketPlan, ParamSpec
 
 __all__ = ["Canonical", "Layout", "copy_scaled"]
 
+REDUCED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""The parameter dtypes portddp.jax buckets and reduces (float16 and bfloat16 summed in float32 on MPI)."""
+
 _TILE = 256  # elements per side of the blocks a transposing copy moves (1024^2 float32: 8.3 -> 1.7 ms)
 
 
@@ -77,8 +80,14 @@ class Layout:
                 "trainable floating-point parameters and keep integer state elsewhere (for Flax NNX: hold it in "
                 "an nnx.Variable, or a subclass such as nnx.BatchStat, not in an nnx.Param -- nnx_value_and_grad "
                 f"carries it through the step) ({len(not_float)} such leaves)")
+        odd = [(n, _dtype(x)) for n, x in zip(self.leaf_names, leaves) if _dtype(x) not in REDUCED_DTYPES]
+        if odd:
+            raise ValueError(
+                f"leaf {odd[0][0]} has dtype {odd[0][1]}, which portddp.jax does not reduce (it reduces "
+                f"{', '.join(REDUCED_DTYPES)}): keep the parameter in one of those and cast it inside loss_fn "
+                f"({len(odd)} such leaves)")
         self.leaf_shapes = [tuple(np.shape(x)) for x in leaves]
-        self.leaf_dtypes = [np.dtype(x.dtype).name for x in leaves]
+        self.leaf_dtypes = [_dtype(x) for x in leaves]
         if canonical is None:
             ks = range(len(leaves)) if order is None else self._indices(order, "order")
             canonical = [Canonical(self.leaf_names[i], self.leaf_names[i], None) for i in ks]
@@ -101,9 +110,9 @@ class Layout:
         layout -- or, for a tree of another structure, of each leaf (and the check will say where)."""
         paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         if treedef != self.treedef:
-            return [ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), np.dtype(x.dtype).name) for p, x in paths]
+            return [ParamSpec(jax.tree_util.keystr(p), tuple(np.shape(x)), _dtype(x)) for p, x in paths]
         return [ParamSpec(self.names[k], _permuted(tuple(np.shape(paths[i][1])), self.perm[k]),
-                          np.dtype(paths[i][1].dtype).name) for k, i in enumerate(self.leaf_of)]
+                          _dtype(paths[i][1])) for k, i in enumerate(self.leaf_of)]
 
     def check(self, tree) -> list:
         """`tree`'s leaves, after checking it is the pytree we were built with: the same structure
@@ -112,11 +121,13 @@ class Layout:
         if treedef != self.treedef:
             raise ValueError(self._structure_error(tree, treedef))
         for name, shape, dtype, leaf in zip(self.leaf_names, self.leaf_shapes, self.leaf_dtypes, leaves):
-            if tuple(np.shape(leaf)) != shape or np.dtype(leaf.dtype).name != dtype:
+            if tuple(np.shape(leaf)) != shape or _dtype(leaf) != dtype:
                 raise ValueError(
-                    f"leaf {name} is {tuple(np.shape(leaf))} {np.dtype(leaf.dtype).name} here, but "
+                    f"leaf {name} is {tuple(np.shape(leaf))} {_dtype(leaf)} here, but "
                     f"DistributedDataParallel was built for {shape} {dtype}: the bucket plan and its buffers are "
-                    "sized for the parameters it was given; build a new DistributedDataParallel for new shapes")
+                    "sized and typed for the parameters it was given: keep each leaf's shape and dtype (an update "
+                    "computed in another dtype changes it: cast it back, e.g. new.astype(old.dtype)), or build a new "
+                    "DistributedDataParallel for new shapes or dtypes")
         return leaves
 
     def _structure_error(self, tree, treedef) -> str:
@@ -188,6 +199,15 @@ def _copy(dst: np.ndarray, src: np.ndarray, scale: float | None) -> None:
         dst[...] = src
     else:
         np.multiply(src, scale, out=dst, casting="unsafe")
+
+
+def _dtype(x) -> str:
+    """The dtype JAX computes `x` in, by name: a float64 numpy leaf is float32 unless jax_enable_x64 is
+    on (jax.grad's gradient of it is), so a plan built from it matches what the steps produce."""
+    dtype = x.dtype
+    if not jnp.issubdtype(dtype, jax.dtypes.extended):
+        dtype = jax.dtypes.canonicalize_dtype(dtype)
+    return np.dtype(dtype).name
 
 
 def _permuted(shape: tuple[int, ...], perm) -> tuple[int, ...]:

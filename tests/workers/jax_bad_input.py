@@ -58,6 +58,9 @@ def run(case: str) -> None:
     elif case == "complex_leaf":
         params["enc"]["phase"] = jnp.zeros(3, jnp.complex64)
         DistributedDataParallel(params)
+    elif case == "float8_leaf":
+        params["enc"]["scale"] = jnp.ones(4, jnp.float8_e4m3fn)
+        DistributedDataParallel(params)
     elif case == "loss_not_scalar":
         ddp = DistributedDataParallel(params)
         ddp.value_and_grad(lambda p, x: x @ p["enc"]["w"])(params, jnp.ones((3, 4)))

@@ -387,6 +387,21 @@ def all_bad_cases() -> None:
         get_transport().barrier()
 
 
+def scalar_batch_leaf(strategy: str):
+    """A 0-d batch leaf (a per-step constant): compiled and pmap split every batch leaf along its first
+    axis, so they refuse it naming the fix (pmap raised IndexError); hooked takes it as it is."""
+    params = {"w": jnp.ones((IN, OUT), F64)}
+    grad_fn = DistributedDataParallel(params, strategy=strategy).value_and_grad(
+        lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2) * b[2])
+    x, y = batch_of(WORLD.rank, 0)
+    try:
+        grad_fn(params, (x, y, jnp.float64(2.0)))
+        outcome = "OK"
+    except ValueError as e:
+        outcome = f"ValueError: {e}"
+    common.report(WORLD.rank, f"scalar_batch/{strategy}", outcome=outcome)
+
+
 def main(strategies):
     """Every scenario for each of `strategies` (pmap: in a world of one, over 2 forced host devices)."""
     for strategy in strategies:
@@ -397,6 +412,7 @@ def main(strategies):
         has_aux(strategy)
         python_number_state(strategy)
         wrt_subset(strategy)
+        scalar_batch_leaf(strategy)
     if "hooked" in strategies:
         nnx_train("hooked", jit=True)
         nnx_train("hooked", broadcast_buffers=False)

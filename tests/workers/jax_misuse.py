@@ -541,6 +541,26 @@ def broadcast_then_step():
     return f"loss={float(loss):.3f}"
 
 
+def numpy_float64_params(strategy: str):
+    """Parameters made with numpy (float64) while jax_enable_x64 is off, as jax.grad takes them: the
+    gradients are float32 (what JAX computes in); broadcast, three steps, the global batch's grads."""
+    rng = np.random.default_rng(0)
+    params = {"enc": {"w": rng.standard_normal((4, 4)), "b": np.zeros(4)}, "dec": {"w": rng.standard_normal((4, 2))}}
+    ddp = DistributedDataParallel(params, strategy=strategy)
+    params, ref = ddp.broadcast(params), params
+    grad_fn = ddp.value_and_grad(loss_fn)
+    worst = 0.0
+    for step in range(3):
+        _, grads = grad_fn(params, batch(step))
+        whole = jnp.concatenate([jnp.asarray(np.random.default_rng(100 * step + r).standard_normal((3, 4)),
+                                             jnp.float32) for r in range(WORLD.size)])
+        want = jax.grad(loss_fn)(ref, whole)
+        worst = max(worst, rel(grads, want))
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        ref = jax.tree.map(lambda p, g: p - 0.1 * g, ref, want)
+    return f"max_rel={worst:.1e} dtypes={sorted({str(g.dtype) for g in jax.tree.leaves(grads)})}"
+
+
 def with_hook(hook):
     params = init_params()
     ddp = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
@@ -604,6 +624,8 @@ CASES = {
     "per_rank_init_compiled": lambda: per_rank_init("compiled"),
     "per_rank_init_jitted": lambda: per_rank_init("hooked", jitted=True),
     "broadcast_then_step": broadcast_then_step,
+    "numpy_float64_params_hooked": lambda: numpy_float64_params("hooked"),
+    "numpy_float64_params_compiled": lambda: numpy_float64_params("compiled"),
     "local_step_on_one_rank_hooked": lambda: local_step_on_one_rank("hooked"),
     "local_step_on_one_rank_compiled": lambda: local_step_on_one_rank("compiled"),
     "local_step_on_one_rank_compiled_reduce": lambda: local_step_on_one_rank("compiled", then="reduce"),
