@@ -245,6 +245,23 @@ def plan_buckets(
     return _make_plan(specs, list(range(len(specs)))[::-1], limits)
 
 
+def plan_as_registered(
+    specs: Iterable[ParamSpec],
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+) -> BucketPlan:
+    """Native DDP's plan where it never re-plans (find_unused_parameters=True without static_graph):
+    buckets filled in *registration* order -- the first, under the first cap, holds the first
+    parameters registered -- then launched in reverse, the bucket of the last-registered ones first.
+    The same parameters travel together as in native's buckets, which a comm hook that treats a
+    bucket as a whole (one quantisation scale, PowerSGD's matrices) can tell."""
+    specs = tuple(specs)
+    if not specs:
+        raise ValueError("cannot plan buckets for a model with no trainable parameters")
+    plan = _make_plan(specs, list(range(len(specs))), _limits(bucket_cap_mb, first_bucket_cap_mb))
+    return BucketPlan(specs, tuple(reversed(plan.buckets)))
+
+
 def rebuild_plan(
     plan: BucketPlan,
     ready_order: Sequence[int],

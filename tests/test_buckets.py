@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from portddp.buckets import BucketPlan, ParamSpec, assign_by_size, plan_buckets, rebuild_plan
+from portddp.buckets import BucketPlan, ParamSpec, assign_by_size, plan_as_registered, plan_buckets, rebuild_plan
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -52,6 +52,20 @@ def test_plan_is_pytorch_assignment_of_reversed_params(seed):
     want, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
     n = len(specs)
     assert plan.assignment() == [[n - 1 - i for i in b] for b in want]
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_find_unused_plan_is_natives_assignment_in_registration_order_reversed(seed):
+    """With find_unused_parameters=True (no static_graph) native DDP assigns its buckets over the
+    registration order with limits [first_bucket_cap, bucket_cap] and hands the reducer the list
+    reversed, never re-planning; plan_as_registered is that plan."""
+    rng = random.Random(2000 + seed)
+    specs = random_specs(rng)
+    cap_mb, first_mb = rng.choice([(0.01, 0.001), (0.25, 0.05), (1.0, 1.0), (25.0, 1.0)])
+    tensors = [torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in specs]
+    limits = [int(first_mb * 2**20), int(cap_mb * 2**20)] if first_mb < cap_mb else [int(cap_mb * 2**20)]
+    want, _ = dist._compute_bucket_assignment_by_size(tensors, limits)
+    assert plan_as_registered(specs, cap_mb, first_mb).assignment() == [list(b) for b in reversed(want)]
 
 
 def test_plan_layout_and_json_round_trip():

@@ -23,6 +23,8 @@ SCENARIOS = [
     "frozen_per_rank_init", "checkpoint_last_reentrant", "static_graph_shared_checkpointed", "module_microsteps",
     "copies", "zero_size_param", "channels_last", "channels_last_view", "freeze_later_unused",
     "late_fp16", "late_fp16_after_eval_forward", "builtin_allreduce", "builtin_fp16_compress",
+    "post_accumulate_hook_after_wrap", "unused_buckets_as_native", "buffer_registered_after_wrap",
+    "complex_allreduce_hook", "pruned_after_wrap",
 ]
 
 
@@ -43,6 +45,7 @@ def test_trains_exactly_like_native_ddp(results, scenario):
     for row in got:
         assert row["bitwise"] if n == 2 else row["max_diff"] <= bound, row
         assert row.get("grad_as_native", True), row  # .grad None (ignored head) or zeros (undefined_grad), as native
+        assert row.get("buckets_as_native", True), row  # a comm hook saw native's buckets
         assert row.get("old_refused", True), row  # rewrap: the superseded wrapper refuses a forward
         assert row.get("copy_refuses_backward", True), row  # copies: a deepcopy of portddp's wrapper refuses to train
 

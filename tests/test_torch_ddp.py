@@ -34,7 +34,8 @@ def test_equals_native_ddp(results, scenario, transport):
             assert row["bitwise"], row
         else:
             assert row["max_diff"] <= 2e-5, row
-        assert row["rebuilt"], row
+        # re-planned from the observed order, except with find_unused_parameters (native never does then)
+        assert row["rebuilt"] == (scenario != "unused"), row
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

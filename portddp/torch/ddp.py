@@ -59,7 +59,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
 from portddp import launch, watchdog
-from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
+from portddp.buckets import BucketPlan, ParamSpec, plan_as_registered, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
 from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header,
@@ -281,7 +281,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._hook = None
         self._next_hook = None  # (hook, state) registered during an iteration: installed at the next one
         self._hook_state = None
-        self._install_plan(plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb))
+        self._install_plan(self._initial_plan(specs))
         # Ranks start identical: rank 0's parameters and buffers everywhere.
         if self.world_size > 1 and init_sync:
             self._broadcast_state(src=0, buffers=init_sync_buffers)
@@ -309,6 +309,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._take_over_parameters()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
+        self._hook_ids = [handle.id for handle in self._hook_handles]
         # (in its step slots: which of the process's DDPs reduces; a subgroup's is not compared)
         self._ddp_number = next_ddp_number() if process_group is None else 0
 
@@ -489,6 +490,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 "which now owns them (their gradient hooks are the newer one's): use the newer wrapper, or call "
                 "this one's module directly (ddp.module(...)) for a forward without DDP")
         self._check_parameters_unchanged()
+        if torch.is_grad_enabled():
+            self._keep_hooks_last()
         if torch.is_grad_enabled() and _in_dist_autograd():
             raise NotImplementedError(
                 "this forward runs inside a torch.distributed.autograd context (RPC training, "
@@ -550,11 +553,15 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             if self._registrations == registrations() and not any(p.requires_grad for p in self._frozen):
                 return
         self._registrations = registrations()
-        self._module_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+        self._list_buffers_again()
         planned = {id(p) for p in self._params} if frozen_ok else set()
         now = [p for n, p in self.module.named_parameters()
                if (p.requires_grad or id(p) in planned) and n not in self.parameters_to_ignore]
-        if len(now) == len(self._params) and all(a is b for a, b in zip(now, self._params)):
+        # (The same Parameter objects under other names or in another order are the same model: the
+        # plan holds the objects, as native's reducer does -- torch.nn.utils.prune moves `weight` to
+        # `weight_orig`, registered last.)
+        if len(now) == len(self._params) and (all(a is b for a, b in zip(now, self._params))
+                                              or {id(p) for p in now} == {id(p) for p in self._params}):
             if any(p.dtype != v.dtype or p.device != v.device for p, v in zip(self._params, self._views)):
                 self._replan()  # a dtype/device change that bypassed Module._apply (e.g. p.data = ...)
                 self._check_parameters_unchanged()
@@ -577,6 +584,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                "find_unused_parameters=True, as in native DDP" if gone and not added and not self.find_unused_parameters
                and all(n in named for n in gone) else "")
         )
+
+    def _list_buffers_again(self) -> None:
+        """The buffers broadcast before each forward, after the module (re)registered some: as native,
+        whose list is taken again at each broadcast -- and only while it holds any, so a module with
+        no buffers when wrapped never broadcasts (a mask or statistic it registers later stays each
+        rank's own, as with native DDP)."""
+        if self._module_buffers:
+            self._module_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
     def _will_sync_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers)
@@ -633,6 +648,26 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._divisor = n
         self._inv_world = 1.0 / n
         self._scale_of = {dtype: torch.tensor(self._inv_world, dtype=dtype) for dtype in (torch.float32, torch.float64)}
+
+    def _initial_plan(self, specs: list[ParamSpec]) -> BucketPlan:
+        """The plan before any re-plan, native's: reverse registration order, re-planned from the
+        observed order after the first iteration -- or, with find_unused_parameters and no
+        static_graph, where native never re-plans, its buckets filled in registration order."""
+        if self.find_unused_parameters and not self.static_graph:
+            return plan_as_registered(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
+        return plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
+
+    def _keep_hooks_last(self) -> None:
+        """Native's reducer takes a gradient after every post-accumulate-grad hook of its parameter,
+        whenever that hook was registered (its own hook sits on the AccumulateGrad node, which runs
+        them first): a gradient clipped in place, or an optimizer stepped in backward, by a hook the
+        script adds after wrapping must be what is reduced. Ours is one of those hooks, which run in
+        registration order: each forward moves it back behind any added since (a length check per
+        parameter when nothing was added)."""
+        for p, hook_id in zip(self._params, self._hook_ids):
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is not None and len(hooks) > 1 and next(reversed(hooks)) != hook_id and hook_id in hooks:
+                hooks[hook_id] = hooks.pop(hook_id)  # (autograd walks the dict's own order: not move_to_end)
 
     def _make_hook(self, i: int):
         # Weakly: the parameters keep their hooks for as long as they live, and must not keep a
@@ -769,8 +804,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """Native's contract: the future's value is one tensor shaped like the bucket."""
         tensor = _tensor_of(result)
         expected = self._bucket_buffers[b]
+        if (expected.is_complex() and isinstance(tensor, torch.Tensor) and tensor.dtype.is_floating_point
+                and tensor.numel() == 2 * expected.numel()):
+            # c10d's all_reduce of a complex tensor resolves to its real view (n, 2); native takes it.
+            tensor = torch.view_as_complex(tensor.reshape(-1, 2).contiguous())
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != expected.numel() or not (
-                tensor.dtype.is_floating_point):
+                tensor.dtype.is_floating_point or tensor.is_complex()):
             got = (f"a {tuple(tensor.shape)} {_dtype_name(tensor.dtype)} tensor" if isinstance(tensor, torch.Tensor)
                    else type(result).__name__)
             raise hook_result_error(_hook_name(self._hook), b, got, expected.numel(), _dtype_name(expected.dtype),
@@ -847,7 +886,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self._sync_flag is not None:
             self._contributors = int(self._sync_flag.wait()[0])
             self._sync_flag = None
-        if not self._rebuilt and self._rebuild_order is None:
+        # Re-plan once from the observed order -- as native's reducer, not with find_unused_parameters
+        # (unless static_graph): its buckets stay in reverse registration order, a comm hook sees them so.
+        if not self._rebuilt and self._rebuild_order is None and (self.static_graph or not self.find_unused_parameters):
             self._rebuild_order = self._ready_order
         check_same_step(steps, self.rank)
         if not (self.find_unused_parameters or self.static_graph) and min(counts) < self._contributors:
@@ -967,6 +1008,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self.bucket_cap_mb = cap
             if self._observed_order is not None:  # else the pending rebuild plans with the new cap
                 self._install_plan(rebuild_plan(self._plan, self._observed_order, cap, self.first_bucket_cap_mb))
+            elif self.find_unused_parameters and not self.static_graph:  # (no rebuild to plan it)
+                self._install_plan(self._initial_plan(list(self._plan.specs)))
 
     # ---- stats
     def stats(self) -> dict:

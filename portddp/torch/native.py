@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook
 
 from portddp import launch, watchdog
-from portddp.buckets import cap_bytes, plan_buckets, rebuild_plan
+from portddp.buckets import cap_bytes, rebuild_plan
 
 __all__ = ["NativeInterface", "registrations"]
 
@@ -374,7 +374,7 @@ class NativeInterface:
         super()._apply(fn, recurse)
         if hasattr(self, "_plan"):
             # _apply replaces buffers (and parameters' data) without registering them again: look again.
-            self._module_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+            self._list_buffers_again()
             if [s for s in self._specs()] != list(self._plan.specs):
                 self._replan()
         return self
@@ -384,7 +384,7 @@ class NativeInterface:
         specs = self._specs()
         self.device = self._params[0].device
         self.device_type = self.device.type
-        plan = plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
+        plan = self._initial_plan(specs)
         if self._observed_order is not None:
             plan = rebuild_plan(plan, self._observed_order, self.bucket_cap_mb, self.first_bucket_cap_mb)
         self._install_plan(plan)

@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import prune
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.join import Join
 from torch.optim.swa_utils import AveragedModel
@@ -608,6 +609,104 @@ def layouts_and_freezing(transport):
     compare("freeze_later_unused", transport, native, ours, freeze_at_step_1)
 
 
+class HeadFirst(nn.Module):
+    """The head registered first, used last: registration order is not the backward's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.head = nn.Linear(32, OUT)
+        self.fc1 = nn.Linear(IN, 32)
+        self.fc2 = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class LazyStat(nn.Module):
+    """No buffers when wrapped; the first forward registers one holding the rank's own batch mean."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.fc = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        if not hasattr(self, "mu"):
+            self.register_buffer("mu", x.mean(0).detach().clone())
+        return self.fc(x - self.mu)
+
+
+class ComplexWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.fc = nn.Linear(IN, OUT)
+        self.w = nn.Parameter(0.1 * torch.randn(IN, OUT, dtype=torch.complex64))
+
+    def forward(self, x):
+        return self.fc(x) + (x.to(torch.complex64) @ self.w).abs()
+
+
+def recording_hook(log):
+    """A comm hook that notes each bucket's parameters (shapes) and averages it, as allreduce_hook."""
+    def hook(_state, bucket):
+        log.append((bucket.index(), [tuple(p.shape) for p in bucket.parameters()]))
+        buffer = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+    return hook
+
+
+def user_hooks_and_plans(transport):
+    """Found by a review of unseen models (2026-12-06), each once different from native: a
+    post-accumulate-grad hook the script registers after wrapping (native reduces what it leaves,
+    whatever the registration order); find_unused_parameters' buckets (native never re-plans them:
+    filled in registration order); a buffer registered after wrapping a module that had none
+    (native never broadcasts it); PyTorch's allreduce_hook on complex parameters; pruning after
+    wrapping (the same Parameter objects renamed)."""
+    bound = 2.0**-10  # (exact in float32)
+
+    def clamp(p):
+        p.grad.clamp_(-bound, bound)
+
+    def clamped_steps(ddp):
+        for p in ddp.module.parameters():
+            p.register_post_accumulate_grad_hook(clamp)
+        sgd_steps(3)(ddp)
+
+    native, ours = pair(transport)
+    compare("post_accumulate_hook_after_wrap", transport, native, ours, clamped_steps,
+            grad_as_native=lambda: max(p.grad.abs().max().item() for p in ours.module.parameters()) <= bound)
+
+    logs = {}
+    models = [HeadFirst() for _ in range(2)]
+    kw = {"bucket_cap_mb": 2500 / 2**20, "find_unused_parameters": True}
+    native, ours = NativeDDP(models[0], **kw), DistributedDataParallel(models[1], transport=transport, **kw)
+    for name, ddp in (("native", native), ("ours", ours)):
+        ddp.register_comm_hook(None, recording_hook(logs.setdefault(name, [])))
+    compare("unused_buckets_as_native", transport, native, ours, sgd_steps(3),
+            buckets_as_native=lambda: logs["native"] == logs["ours"])
+
+    models = [LazyStat() for _ in range(2)]
+    native, ours = NativeDDP(models[0]), DistributedDataParallel(models[1], transport=transport)
+    compare("buffer_registered_after_wrap", transport, native, ours, sgd_steps(3))
+
+    models = [ComplexWeight() for _ in range(2)]
+    native, ours = NativeDDP(models[0]), DistributedDataParallel(models[1], transport=transport)
+    for ddp in (native, ours):
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    compare("complex_allreduce_hook", transport, native, ours, sgd_steps(3))
+
+    def pruned_steps(ddp):
+        prune.l1_unstructured(ddp.module.fc2, "weight", amount=0.3)
+        sgd_steps(2)(ddp)
+        prune.remove(ddp.module.fc2, "weight")
+        sgd_steps(2)(ddp)
+
+    native, ours = pair(transport)
+    compare("pruned_after_wrap", transport, native, ours, pruned_steps)
+
+
 def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
@@ -615,7 +714,7 @@ def uneven_effective_world(transport):
 SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world, late_hook, builtin_hooks,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
-             script_patterns, layouts_and_freezing]
+             script_patterns, layouts_and_freezing, user_hooks_and_plans]
 
 
 def main():
