@@ -73,6 +73,7 @@ from portddp.torch.native import NativeInterface, _done, backward_recorder, regi
 __all__ = ["DistributedDataParallel", "GradBucket"]
 
 _now = time.perf_counter_ns
+_REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}  # (a complex tensor's real view)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -804,8 +805,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """Native's contract: the future's value is one tensor shaped like the bucket."""
         tensor = _tensor_of(result)
         expected = self._bucket_buffers[b]
-        if (expected.is_complex() and isinstance(tensor, torch.Tensor) and tensor.dtype.is_floating_point
-                and tensor.numel() == 2 * expected.numel()):
+        if (expected.is_complex() and isinstance(tensor, torch.Tensor) and tensor.numel() == 2 * expected.numel()
+                and tensor.dtype == _REAL_OF.get(expected.dtype)):
             # c10d's all_reduce of a complex tensor resolves to its real view (n, 2); native takes it.
             tensor = torch.view_as_complex(tensor.reshape(-1, 2).contiguous())
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != expected.numel() or not (
@@ -887,7 +888,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._contributors = int(self._sync_flag.wait()[0])
             self._sync_flag = None
         # Re-plan once from the observed order -- as native's reducer, not with find_unused_parameters
-        # (unless static_graph): its buckets stay in reverse registration order, a comm hook sees them so.
+        # (unless static_graph): its buckets stay native's (plan_as_registered), as a comm hook sees them.
         if not self._rebuilt and self._rebuild_order is None and (self.static_graph or not self.find_unused_parameters):
             self._rebuild_order = self._ready_order
         check_same_step(steps, self.rank)

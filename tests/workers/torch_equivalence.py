@@ -89,7 +89,8 @@ def train(wrapped, model, rank, *, micro=1, branch=False, dtype=torch.float32, s
 def max_diff(a: nn.Module, b: nn.Module) -> tuple[float, bool]:
     pa = [t.detach() for t in list(a.parameters()) + list(a.buffers())]
     pb = [t.detach() for t in list(b.parameters()) + list(b.buffers())]
-    diff = max(((x.double() - y.double()).abs().max().item() for x, y in zip(pa, pb) if x.numel()), default=0.0)
+    wide = lambda t: t.to(torch.complex128 if t.is_complex() else torch.float64)  # noqa: E731
+    diff = max(((wide(x) - wide(y)).abs().max().item() for x, y in zip(pa, pb) if x.numel()), default=0.0)
     return diff, all(torch.equal(x, y) for x, y in zip(pa, pb))
 
 
