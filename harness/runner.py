@@ -66,6 +66,12 @@ class ExperimentConfig(Workload):
                 ("--ranks", self.ranks, 0, "is not a number of ranks the run must have (0: any)")):
             if value < least:
                 raise SystemExit(f"{flag} {value} {what}: pass {flag} {least} or more")
+        caps = [("--bucket-cap-mb", getattr(self, "bucket_cap_mb", None)),
+                *(("--caps", c) for c in getattr(self, "caps", ()))]
+        for flag, cap in caps:  # (what DistributedDataParallel would refuse on every rank, with a traceback)
+            if isinstance(cap, (int, float)) and not cap > 0:
+                raise SystemExit(f"{flag} {cap:g} is not a bucket size: pass megabytes > 0, e.g. {flag} 4 (inf: one "
+                                 "bucket per dtype)")
 
 
 @dataclasses.dataclass

@@ -108,7 +108,12 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
             os.environ["PORTDDP_CLUSTER_UNAVAILABLE"] = why
             return _mpirun(n, module, args, bind=bind)
         if link == "matched":
-            link, _ = importlib.import_module("harness.calibrate").matched_rate(n, hosts, args)
+            try:
+                link, _ = importlib.import_module("harness.calibrate").matched_rate(n, hosts, args)
+            except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM inside a calibration cluster: it was removed)
+                print("portddp: interrupted while measuring the matched link rate; nothing is left behind",
+                      file=sys.stderr, flush=True)
+                return 130
 
         print(f"$ portddp cluster -n {n} --hosts {hosts} --link {link} -- python -m {module} {' '.join(args)}",
               flush=True)

@@ -81,6 +81,10 @@ def parse_rate(rate: str) -> float | None:
     if float(m.group(1)) <= 0:
         raise ValueError(f"link rate {rate!r} is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or a "
                          f"bare 0) for no shaping")
+    if m.group(3) in ("bps", "b"):  # tc reads "bps" as bytes/s; "gb", "MB" say bytes to most readers
+        raise ValueError(f"link rate {rate!r} looks like bytes per second (tc reads 'bps' so): write the rate in "
+                         f"bits with 'bit', e.g. {m.group(1)}{m.group(2)}bit for {m.group(1)} {m.group(2).upper()}bit/s, "
+                         f"or {float(m.group(1)) * 8:g}{m.group(2)}bit for {m.group(1)} {m.group(2).upper()}B/s")
     if not m.group(2) and not m.group(3):
         raise ValueError(f"link rate {rate!r} has no unit: write one, e.g. 1000mbit or 1gbit ({m.group(1)}bit if "
                          f"you do mean {m.group(1)} bits/s); 0 or unlimited: no shaping")

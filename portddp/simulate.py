@@ -459,6 +459,10 @@ def main(argv=None) -> int:
     if why := why_not_replayable(rows[ns.impl]):
         _refuse(f"--impl {ns.impl} cannot be replayed bucket by bucket: {why}", fix)
     world = payload["world"]["size"]
+    if world < 2 and (ns.world or 1) > 1:  # (its all-reduces send nothing: no bandwidth to fit)
+        _refuse(f"{ns.result} was measured with {world} rank, whose all-reduces send no bytes: it says nothing "
+                f"about the link, so it cannot predict --world {ns.world}", "pass the result of a run with 2 ranks "
+                "or more (e.g. portddp run overlap -n 2 --hosts 2 --link 1gbit)")
     t0 = time.perf_counter()
     on = Trace.from_row(rows[ns.impl], world)
     off_row = rows.get(f"{ns.impl} (no overlap)")

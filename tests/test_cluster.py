@@ -51,6 +51,13 @@ def test_parse_rate_refuses_a_bare_number_asking_for_a_unit(text):
         cluster.parse_rate(text)
 
 
+@pytest.mark.parametrize("text,bits", [("100MBps", "100mbit"), ("10gb", "10gbit"), ("10GB", "10gbit"), ("5kbps", "5kbit")])
+def test_parse_rate_refuses_byte_looking_units(text, bits):
+    """tc reads 'bps' as bytes per second; 'gb' and 'MB' read as bytes: refused, not taken as bits."""
+    with pytest.raises(ValueError, match=rf"link rate {text!r} looks like bytes per second .* e\.g\. {bits} "):
+        cluster.parse_rate(text)
+
+
 @pytest.mark.parametrize("text,bps", [("0", None), ("1000bit", 1e3), ("1000kbit", 1e6), ("1g", 1e9)])
 def test_parse_rate_zero_is_unlimited_and_units_are_taken(text, bps):
     assert cluster.parse_rate(text) == bps

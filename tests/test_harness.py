@@ -126,6 +126,27 @@ def test_experiment_refuses_a_schedule_that_measures_nothing_before_anything_sta
     assert str(exit_.value.code).startswith(message) and "\n" not in str(exit_.value.code), exit_.value.code
 
 
+@pytest.mark.parametrize("module,argv,message", [
+    ("overlap", ["--bucket-cap-mb", "-1"], "--bucket-cap-mb -1 is not a bucket size: pass megabytes > 0, e.g. "
+                                           "--bucket-cap-mb 4 (inf: one bucket per dtype)"),
+    ("overlap", ["--bucket-cap-mb", "nan"], "--bucket-cap-mb nan is not a bucket size"),
+    ("bucket_sweep", ["--caps", "1", "0"], "--caps 0 is not a bucket size")])
+def test_experiment_refuses_a_bad_bucket_cap_in_one_line(module, argv, message, monkeypatch):
+    """(Was a traceback on every rank from DistributedDataParallel's check, once the run had started.)"""
+    import importlib  # noqa: PLC0415
+
+    from harness import runner  # noqa: PLC0415
+
+    def started(*_, **__):
+        raise AssertionError("the experiment started")
+
+    monkeypatch.setattr(runner.portddp, "init", started)
+    cfg = parse_config(importlib.import_module(f"experiments.{module}").Config, argv)
+    with pytest.raises(SystemExit) as exit_:
+        runner.run(module, cfg, started)
+    assert str(exit_.value.code).startswith(message), exit_.value.code
+
+
 def test_bench_refuses_negative_mlp_rounds():
     from experiments.bench import Config  # noqa: PLC0415
 

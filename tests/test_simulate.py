@@ -187,6 +187,17 @@ def test_main_predicts_from_a_valid_result(result, capsys):
     assert "link unlimited" in capsys.readouterr().out.splitlines()[-1]
 
 
+def test_main_refuses_a_one_rank_result_for_more_ranks(result, tmp_path, capsys):
+    """A run of one rank all-reduces nothing over any link: it cannot say what 8 ranks would take."""
+    import json  # noqa: PLC0415
+
+    one = tmp_path / "overlap-n1.json"
+    one.write_text(json.dumps({**json.loads(open(result).read()), "world": {"size": 1}}))
+    message = refused(capsys, str(one), "--world", "8", "--link", "1gbit")
+    assert "was measured with 1 rank, whose all-reduces send no bytes" in message
+    assert "pass the result of a run with 2 ranks or more" in message
+
+
 def test_main_refuses_a_missing_file_or_directory_saying_what_writes_a_result(result, tmp_path, capsys):
     missing = str(tmp_path / "overlap-n2-h2-999mbit.json")
     message = refused(capsys, missing)
