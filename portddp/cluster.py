@@ -347,8 +347,12 @@ def cluster_info() -> dict | None:
     return json.loads(info) if info else None
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as Ctrl-C is (the job stopped, the cluster removed), but exit 143, not 130."""
+
+
 def _interrupt(*_):
-    raise KeyboardInterrupt
+    raise _Terminated
 
 
 def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = False) -> int:
@@ -417,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     try:
         return run(ns.ranks, ns.hosts, ns.link, command)
+    except _Terminated:
+        return 143  # (128 + SIGTERM, as a shell reports a job it ended)
     except KeyboardInterrupt:
         return 130
 
