@@ -280,7 +280,10 @@ class TorchTrainer(_Trainer):
             keys = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
             return {k: data.get(f"avg_{k}", 0) * 1e-9 for k in keys}
         stats = getattr(self.wrapped, "stats", None)
-        return {k: v for k, v in stats().items() if isinstance(v, float)} if stats else {}
+        if not stats:
+            return {}
+        # (and this iteration's events: the runner keeps those of the median iteration for the simulator)
+        return {k: v for k, v in stats().items() if isinstance(v, float) or k == "events"}
 
     def autotune(self) -> dict | None:
         """bucket_cap_mb="auto": what it tried and chose (portddp only)."""
@@ -411,7 +414,7 @@ class JaxTrainer(_Trainer):
     def stats(self) -> dict:
         if self.ddp is None:
             return {}
-        return {k: v for k, v in self.ddp.stats().items() if isinstance(v, (float, int, dict)) and k != "events"}
+        return {k: v for k, v in self.ddp.stats().items() if isinstance(v, (float, int, dict)) or k == "events"}
 
     def autotune(self) -> dict | None:
         return self.ddp.stats().get("autotune") if self.ddp is not None else None

@@ -148,7 +148,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         slowest = {label: _slowest_per_step(ts) for label, ts in times.items()}
         for v in members:
             t = trainers[v.label]
-            events = t.events()
+            events = _median_events(times[v.label], stats[v.label]) or t.events()
             rows.append({
                 "label": v.label, "impl": v.impl, "group": group, "params": v.params, "knobs": v.knobs,
                 "model": _workload(cfg, v).model, "peak_mb": peak_mb[v.label], "grad_mb": t.grad_mb(),
@@ -262,6 +262,17 @@ def _gather_events(members, trainers) -> list:
     mine = {v.label: e.to_dict() for v in members if (e := trainers[v.label].events()) is not None}
     everyone = get_transport().allgather_object(mine)
     return [(label, [IterationEvents.from_dict(ranks[label]) for ranks in everyone]) for label in mine]
+
+
+def _median_events(times: list[float], samples: list[dict]):
+    """The events of this rank's median timed iteration (what a row records for portddp.simulate, whose
+    link fit reads one iteration's bucket durations: a typical one, not the last, which may be an
+    outlier -- a bucket that waited 600 ms in a noisy run); None where the steps recorded none."""
+    if not times or len(samples) != len(times):
+        return None
+    middle = sorted(range(len(times)), key=times.__getitem__)[len(times) // 2]
+    events = samples[middle].get("events")
+    return events if hasattr(events, "to_dict") else None
 
 
 def _median_metrics(samples: list[dict]) -> dict:

@@ -56,11 +56,12 @@ ranks that disagree about the transport would otherwise never meet.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 
-__all__ = ["SHADOW", "buffer_sync_header", "check_buffer_sync_header", "check_same_config", "check_same_frozen",
-           "check_same_hook",
+__all__ = ["SHADOW", "buffer_layout", "buffer_sync_header", "check_buffer_sync_header", "check_same_config",
+           "check_same_frozen", "check_same_hook",
            "check_same_specs", "check_same_step", "ddp_number", "hook_result_error", "nonfinite_error", "step_slot",
            "unused_parameters_error"]
 
@@ -151,7 +152,8 @@ def unused_parameters_error(names: Sequence[str], counts: Sequence[int], world: 
     return RuntimeError(
         f"parameters received no gradient in this backward pass: {shown}{more}; on this rank ({rank}): "
         f"{here or 'none'}. If parameters may go unused, pass find_unused_parameters=True; if they are never "
-        "used, set requires_grad=False on them"
+        "used, set requires_grad=False on them before wrapping (frozen after it, they stay the wrapper's, as "
+        "native DDP's)"
     )
 
 
@@ -299,9 +301,16 @@ def check_same_hook(everyone: Sequence[tuple[str, dict] | None], rank: int) -> N
                     "mix matrices of other shapes (Gloo aborts, MPI hangs) or other random projections (silently)")
 
 
-def buffer_sync_header(iterations: int, synchronises: bool, syncs: int) -> list[int]:
-    """What a buffer broadcast carries besides the buffers: the sender's state."""
-    return [int(iterations), int(synchronises), int(syncs)]
+def buffer_sync_header(iterations: int, synchronises: bool, syncs: int, layout: int = 0) -> list[int]:
+    """What a buffer broadcast carries besides the buffers: the sender's state, and `layout`, a
+    digest of its buffers' shapes and dtypes (buffer_layout)."""
+    return [int(iterations), int(synchronises), int(syncs), int(layout)]
+
+
+def buffer_layout(shapes_and_dtypes: Sequence[tuple]) -> int:
+    """A digest (int64) of the buffers' (shape, dtype name) in order, the same in every process."""
+    text = ";".join(f"{tuple(int(n) for n in shape)}:{dtype}" for shape, dtype in shapes_and_dtypes)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def check_buffer_sync_header(theirs: Sequence[int], mine: Sequence[int], src: int, rank: int) -> None:
@@ -312,8 +321,15 @@ def check_buffer_sync_header(theirs: Sequence[int], mine: Sequence[int], src: in
     every later forward of the others would start from buffers one forward old, silently."""
     if list(theirs) == list(mine):
         return
-    it_src, sync_src, n_src = theirs
-    it_me, sync_me, n_me = mine
+    it_src, sync_src, n_src, layout_src = theirs
+    it_me, sync_me, n_me, layout_me = mine
+    if [it_src, sync_src, n_src] == [it_me, sync_me, n_me] and layout_src != layout_me:
+        raise RuntimeError(
+            f"the buffers rank {src} broadcast differ in shape or dtype from this rank's ({rank}), so this rank's "
+            "were overwritten with bytes of another layout: a buffer registered or replaced after wrapping with "
+            "another shape on some ranks (e.g. a mask sized by each rank's own sequence length). Every rank must "
+            "hold the same buffers (shapes, dtypes, order): make it the same on every rank, keep per-rank state "
+            "out of the module's buffers (a plain tensor attribute), or pass broadcast_buffers=False")
 
     def forward(it, sync, n):
         return (f"buffer sync #{n + 1}, for a forward {'that synchronises gradients' if sync else 'without gradient sync (no_grad/eval/no_sync)'}"

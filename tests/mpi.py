@@ -31,8 +31,9 @@ def run(n: int | None, module: str, *args: str, timeout: float = 240, env: dict 
     try:
         return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s (a hang?)\n{out[-3000:]}")
+        out, err = ((x or b"").decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                    for x in (e.stdout, e.stderr))
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s (a hang?)\n{out[-3000:]}\n{err[-3000:]}")
 
 
 def collect(n: int, module: str, out: Path, *args: str) -> dict:

@@ -153,3 +153,16 @@ def test_bench_refuses_negative_mlp_rounds():
     with pytest.raises(SystemExit, match="--mlp-rounds -1 is not a number of rounds: pass --mlp-rounds 1 or more"):
         Config(mlp_rounds=-1).validate_schedule()
     Config(mlp_rounds=0).validate_schedule()  # 0: as many as --rounds
+
+
+def test_a_row_records_the_events_of_its_median_iteration():
+    """portddp.simulate fits the link on one iteration's bucket durations: the row keeps the median
+    iteration's events (was: the last iteration's, an outlier in a noisy run skewed the fit)."""
+    from harness.runner import _median_events  # noqa: PLC0415
+    from portddp.timeline import IterationEvents  # noqa: PLC0415
+
+    events = [IterationEvents(rank=0, forward_start_ns=k, finalize_end_ns=k + 1) for k in range(5)]
+    times = [0.5, 0.1, 0.3, 9.0, 0.2]  # the last iteration but one is the outlier; the median is 0.3
+    assert _median_events(times, [{"events": e, "iteration_time": 1.0} for e in events]) is events[2]
+    assert _median_events(times, [{} for _ in events]) is None  # (native: no events of its own)
+    assert _median_events([], []) is None

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header, check_rebuild_order,
+from portddp.protocol import (SHADOW, buffer_layout, buffer_sync_header, check_buffer_sync_header, check_rebuild_order,
                               check_same_buffers, check_same_config,
                               check_same_frozen, check_same_hook, check_same_specs, check_same_step, ddp_number,
                               nonfinite_error, step_slot, unused_parameters_error)
@@ -299,16 +299,38 @@ def test_a_powersgd_state_that_differs_across_ranks_is_named_setting_by_setting(
 
 # ---- buffer sync header
 
-def test_buffer_sync_header_is_three_ints():
-    header = buffer_sync_header(np.int64(4), True, 9)
-    assert header == [4, 1, 9] and all(type(x) is int for x in header)
-    assert buffer_sync_header(0, False, 0) == [0, 0, 0]
+def test_buffer_sync_header_is_four_ints():
+    header = buffer_sync_header(np.int64(4), True, 9, np.int64(-7))
+    assert header == [4, 1, 9, -7] and all(type(x) is int for x in header)
+    assert buffer_sync_header(0, False, 0) == [0, 0, 0, 0]
 
 
 def test_matching_headers_pass_whatever_their_container():
-    check_buffer_sync_header([3, 1, 5], [3, 1, 5], src=0, rank=1)
+    check_buffer_sync_header([3, 1, 5, 0], [3, 1, 5, 0], src=0, rank=1)
     # what a Bcast delivers: an int64 array
-    check_buffer_sync_header(np.array([3, 1, 5], dtype=np.int64), buffer_sync_header(3, True, 5), src=0, rank=1)
+    check_buffer_sync_header(np.array([3, 1, 5, 0], dtype=np.int64), buffer_sync_header(3, True, 5), src=0, rank=1)
+
+
+def test_buffer_layout_is_a_stable_int64_digest_of_shapes_and_dtypes():
+    layout = buffer_layout([((4, 4), "float32"), ((), "int64")])
+    assert layout == buffer_layout([((4, 4), "float32"), ((), "int64")]) and -2**63 <= layout < 2**63
+    assert layout != buffer_layout([((6, 6), "float32"), ((), "int64")])
+    assert layout != buffer_layout([((4, 4), "float64"), ((), "int64")])
+    assert layout != buffer_layout([((), "int64"), ((4, 4), "float32")])
+    # the same in another process (a digest, not Python's per-process string hash)
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = "from portddp.protocol import buffer_layout; print(buffer_layout([((4, 4), 'float32'), ((), 'int64')]))"
+    assert int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout) == layout
+
+
+def test_buffers_of_another_layout_are_named_with_the_fix():
+    theirs = buffer_sync_header(3, True, 5, buffer_layout([((4, 4), "float32")]))
+    mine = buffer_sync_header(3, True, 5, buffer_layout([((6, 6), "float32")]))
+    with pytest.raises(RuntimeError, match=r"the buffers rank 0 broadcast differ in shape or dtype from this rank's "
+                                           r"\(1\).*pass broadcast_buffers=False"):
+        check_buffer_sync_header(np.array(theirs, dtype=np.int64), mine, src=0, rank=1)
 
 
 def test_mismatched_header_describes_both_forwards_and_the_fix():

@@ -31,6 +31,23 @@ def test_rank0_only_evaluation_through_the_wrapper_is_named(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_buffer_of_another_shape_registered_after_wrapping_is_named(transport):
+    """A mask registered in the first forward, sized by each rank's batch, on a model with buffers (so
+    they are broadcast before every forward): native overwrites rank 1's mask with rank 0's bytes of
+    another shape, silently (c10d), or dies in MPI; portddp names it on the receiving rank, whose
+    peer then stops (as for the rank-0-only evaluation above)."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "buffer_shape_after_wrap", transport, timeout=90)
+    assert proc.returncode != 0
+    assert re.search(r"PORTDDP_ERROR rank=1 RuntimeError: (the buffers rank 0 broadcast differ in shape or dtype "
+                     r"from this rank's \(1\)|the broadcast of rank 0's buffers failed on rank 1 .* this rank's "
+                     r"buffers are 4: .*mask \(6, 6\) float32).*pass broadcast_buffers=False", proc.stdout), (
+        proc.stdout[-2000:] + proc.stderr[-2000:])
+    assert ("rank 0 exits now (code 70)" in proc.stderr or re.search(
+        r"PORTDDP_ERROR rank=0 RuntimeError: rank 1 \(pid \d+ on .*\) left without an error", proc.stdout)), \
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_comm_hook_registered_on_some_ranks_only_is_named_on_every_rank(transport):
     proc = mpi.run(2, "tests.workers.torch_bad_input", "some_ranks_hook", transport, timeout=90)
     mpi.errors_on_every_rank(proc, 2, r"comm hooks differ across ranks \(rank 0: fp16_compress_hook, rank 1: none; "

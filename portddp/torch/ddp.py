@@ -62,7 +62,7 @@ from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_as_registered, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
-from portddp.protocol import (SHADOW, buffer_sync_header, check_buffer_sync_header,
+from portddp.protocol import (SHADOW, buffer_layout, buffer_sync_header, check_buffer_sync_header,
                               check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
                               check_same_step, hook_result_error, nonfinite_error,
                               unused_parameters_error)
@@ -78,6 +78,10 @@ _REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}  # 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _layout_of(buffers) -> int:
+    return buffer_layout([(b.shape, _dtype_name(b.dtype)) for b in buffers])
 
 
 class GradBucket(GradBucketCommon):
@@ -244,6 +248,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         named = [(n, p) for n, p in module.named_parameters()
                  if p.requires_grad and n not in self.parameters_to_ignore]
         self._module_buffers = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
+        self._buffer_layout = _layout_of(self._module_buffers)  # (in every buffer broadcast's header)
         self._frozen = [p for _, p in self._frozen_named()]  # watched: unfrozen later, they would train alone
         self._registrations = registrations()  # parameters, buffers, modules (re)assigned so far
         self._names = [n for n, _ in named]
@@ -543,19 +548,19 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if getattr(self, "_verify_pending", False):  # .to()/.double() since the last forward: same on every rank?
             self._verify_same_model(list(self._plan.specs))
             self._verify_pending = False
-        # With find_unused_parameters, a parameter frozen after wrapping (requires_grad_(False))
-        # stays in the plan as an unused one, as native's reducer keeps it: no gradient arrives,
-        # its slot is reduced as unused. (Without, native and portddp refuse it alike.)
-        frozen_ok = self.find_unused_parameters
+        # A parameter frozen after wrapping (requires_grad_(False)) stays in the plan, as native's
+        # reducer keeps it: forwards without a backward (a DINO teacher frozen after wrapping, run
+        # under no_grad) are fine; in a backward it gets no gradient -- reduced as unused with
+        # find_unused_parameters, else the unused-parameter error on every rank, as native's.
         for p, v in zip(self._params, self._views):
-            if (not p.requires_grad and not frozen_ok) or p.dtype != v.dtype or p.device != v.device:
+            if p.dtype != v.dtype or p.device != v.device:
                 break
         else:
             if self._registrations == registrations() and not any(p.requires_grad for p in self._frozen):
                 return
         self._registrations = registrations()
         self._list_buffers_again()
-        planned = {id(p) for p in self._params} if frozen_ok else set()
+        planned = {id(p) for p in self._params}
         now = [p for n, p in self.module.named_parameters()
                if (p.requires_grad or id(p) in planned) and n not in self.parameters_to_ignore]
         # (The same Parameter objects under other names or in another order are the same model: the
@@ -568,7 +573,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 self._check_parameters_unchanged()
             return
         named = dict(self.module.named_parameters())
-        names = [n for n, p in named.items() if p.requires_grad and n not in self.parameters_to_ignore]
+        names = [n for n, p in named.items()
+                 if (p.requires_grad or id(p) in planned) and n not in self.parameters_to_ignore]
         added = [n for n in names if n not in self._names]
         gone = [n for n in self._names if n not in names]
         wrapped = dict(zip(self._names, self._params))
@@ -581,9 +587,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             + ("; load_state_dict(..., assign=True) and `module.name = nn.Parameter(...)` replace the objects whose "
                "gradients DDP reduces: load into them (assign=False, or `with torch.no_grad(): p.copy_(...)`), or "
                "wrap after loading" if replaced else "")
-            + ("; a parameter frozen after wrapping (requires_grad_(False)) is simply unused with "
-               "find_unused_parameters=True, as in native DDP" if gone and not added and not self.find_unused_parameters
-               and all(n in named for n in gone) else "")
         )
 
     def _list_buffers_again(self) -> None:
@@ -593,6 +596,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         rank's own, as with native DDP)."""
         if self._module_buffers:
             self._module_buffers = [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+            self._buffer_layout = _layout_of(self._module_buffers)
 
     def _will_sync_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._module_buffers)
@@ -602,13 +606,28 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         header saying which forward they were sent for (does it synchronise gradients?), checked
         by the receivers (not by a joined rank's shadow, which takes whatever the others send)."""
         src = self._find_common_rank(not joined) if self._join_config.enable else 0
-        mine = buffer_sync_header(self._iterations, synchronises, self._buffer_syncs)
+        mine = buffer_sync_header(self._iterations, synchronises, self._buffer_syncs, self._buffer_layout)
         self._buffer_syncs += 1
         if self.world_size > 1:
             header = torch.tensor(mine, dtype=torch.int64)
             self._issue("buffer broadcast")
             with torch.no_grad(), watchdog.waiting():
-                self._comm.broadcast_([*self._module_buffers, header], src=src)
+                try:
+                    # (the header first: intact even where a receiver's int64 buffers are of another size)
+                    self._comm.broadcast_([header, *self._module_buffers], src=src)
+                except Exception as e:  # (MPI: a receiver's buffers of another size truncate the message)
+                    if self.rank == src:
+                        raise
+                    mine_ = ", ".join(f"{n} {tuple(b.shape)} {_dtype_name(b.dtype)}" for n, b in
+                                      list(self.module.named_buffers())[:4])
+                    first = str(e).splitlines()[0] if str(e) else repr(e)
+                    raise RuntimeError(
+                        f"the broadcast of rank {src}'s buffers failed on rank {self.rank} ({type(e).__name__}: "
+                        f"{first}); this rank's buffers are {len(self._module_buffers)}: {mine_}"
+                        f"{' ...' if len(self._module_buffers) > 4 else ''}. Every rank must hold the same buffers "
+                        "(shapes, dtypes, order): a buffer registered or replaced after wrapping with another shape "
+                        "on some ranks differs; make it the same everywhere, keep per-rank state out of the "
+                        "module's buffers, or pass broadcast_buffers=False") from e
             if not joined and self.rank != src:
                 check_buffer_sync_header(header.tolist(), mine, src, self.rank)
 

@@ -253,6 +253,20 @@ def run(case: str, transport: str) -> None:
                 with torch.no_grad():
                     ddp(torch.randn(8, 4))
                 ddp.train()
+    elif case == "buffer_shape_after_wrap":  # a mask registered in the first forward, sized by each rank's input
+        class Masked(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+            def forward(self, x):
+                if not hasattr(self, "mask"):
+                    self.register_buffer("mask", torch.tril(torch.ones(len(x), len(x))))
+                return self.bn(self.fc(self.mask @ x))
+
+        ddp = DistributedDataParallel(Masked(), transport=transport)
+        for _ in range(3):
+            ddp(torch.randn(4 + 2 * w.rank, 4)).sum().backward()
     elif case == "some_ranks_hook":
         from portddp.torch.hooks import fp16_compress_hook  # noqa: PLC0415
 

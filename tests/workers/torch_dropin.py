@@ -707,6 +707,35 @@ def user_hooks_and_plans(transport):
     compare("pruned_after_wrap", transport, native, ours, pruned_steps)
 
 
+def frozen_teacher(transport):
+    """DINO's teacher (facebookresearch/dino main_dino.py): wrapped, then frozen (requires_grad=False)
+    after wrapping, run under no_grad only and updated as an EMA of the student -- native trains it
+    (its reducer keeps the parameters, no backward ever asks for them); portddp once refused it as a
+    changed model."""
+    rank = dist.get_rank()
+    for name, wrap in (("native", lambda m: NativeDDP(m)),
+                       ("ours", lambda m: DistributedDataParallel(m, transport=transport))):
+        student, teacher = wrap(make(batchnorm=True)), wrap(make(batchnorm=True))
+        for p in teacher.parameters():
+            p.requires_grad = False
+        opt = torch.optim.SGD(student.parameters(), lr=0.05)
+        for step in range(3):
+            x, _ = batch(step, rank)
+            with torch.no_grad():
+                target = teacher(x).softmax(-1)
+            loss = -(target * student(x).log_softmax(-1)).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                for t, s_ in zip(teacher.module.parameters(), student.module.parameters()):
+                    t.mul_(0.9).add_(0.1 * s_)
+        if name == "native":
+            native = (student, teacher)
+    (d1, eq1), (d2, eq2) = max_diff(native[0].module, student.module), max_diff(native[1].module, teacher.module)
+    report(f"frozen_teacher/{transport}", max_diff=max(d1, d2), bitwise=eq1 and eq2)
+
+
 def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
@@ -714,7 +743,7 @@ def uneven_effective_world(transport):
 SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world, late_hook, builtin_hooks,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
-             script_patterns, layouts_and_freezing, user_hooks_and_plans]
+             script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher]
 
 
 def main():
