@@ -13,38 +13,37 @@ from tests import mpi
 TRANSPORTS = ["c10d", "mpi"]
 
 
+def named_by_rank_1_then_rank_0_stops(case: str, transport: str, pattern: str) -> None:
+    """Rank 1, receiving rank 0's buffers, raises matching `pattern`; rank 0, in its next iteration,
+    hears that rank 1 left: from its watchdog (exit 70), or at once when Gloo's connection to rank 1
+    closes (the collective's error is raised naming rank 1)."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", case, transport, timeout=90)
+    tail = proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode != 0
+    assert re.search(r"PORTDDP_ERROR rank=1 RuntimeError: " + pattern, proc.stdout), tail
+    assert ("rank 0 exits now (code 70)" in proc.stderr or re.search(
+        r"PORTDDP_ERROR rank=0 RuntimeError: rank 1 \(pid \d+ on .*\) left without an error", proc.stdout)), tail
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_rank0_only_evaluation_through_the_wrapper_is_named(transport):
     """`if rank == 0: ddp(val)` on a model with buffers: the others would start every later forward
     from buffers one broadcast old (MPI, exit 0) or hang (c10d)."""
-    proc = mpi.run(2, "tests.workers.torch_bad_input", "rank0_only_eval", transport, timeout=90)
-    assert proc.returncode != 0
-    assert re.search(r"PORTDDP_ERROR rank=1 RuntimeError: rank 0 broadcast its buffers in buffer sync #\d+, for a "
-                     r"forward without gradient sync .* this rank \(1\) is in buffer sync #\d+, for a forward that "
-                     r"synchronises gradients.*ddp\.module\(\.\.\.\), or evaluate on every rank", proc.stdout), (
-        proc.stdout[-2000:] + proc.stderr[-2000:])
-    # rank 0, in its next iteration, hears that rank 1 left: from its watchdog (exit 70), or at once when
-    # Gloo's connection to rank 1 closes (the collective's error is raised naming rank 1)
-    assert ("rank 0 exits now (code 70)" in proc.stderr or re.search(
-        r"PORTDDP_ERROR rank=0 RuntimeError: rank 1 \(pid \d+ on .*\) left without an error", proc.stdout)), \
-        proc.stdout[-2000:] + proc.stderr[-2000:]
+    named_by_rank_1_then_rank_0_stops(
+        "rank0_only_eval", transport, r"rank 0 broadcast its buffers in buffer sync #\d+, for a forward without "
+        r"gradient sync .* this rank \(1\) is in buffer sync #\d+, for a forward that synchronises gradients.*"
+        r"ddp\.module\(\.\.\.\), or evaluate on every rank")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_buffer_of_another_shape_registered_after_wrapping_is_named(transport):
     """A mask registered in the first forward, sized by each rank's batch, on a model with buffers (so
     they are broadcast before every forward): native overwrites rank 1's mask with rank 0's bytes of
-    another shape, silently (c10d), or dies in MPI; portddp names it on the receiving rank, whose
-    peer then stops (as for the rank-0-only evaluation above)."""
-    proc = mpi.run(2, "tests.workers.torch_bad_input", "buffer_shape_after_wrap", transport, timeout=90)
-    assert proc.returncode != 0
-    assert re.search(r"PORTDDP_ERROR rank=1 RuntimeError: (the buffers rank 0 broadcast differ in shape or dtype "
-                     r"from this rank's \(1\)|the broadcast of rank 0's buffers failed on rank 1 .* this rank's "
-                     r"buffers are 4: .*mask \(6, 6\) float32).*pass broadcast_buffers=False", proc.stdout), (
-        proc.stdout[-2000:] + proc.stderr[-2000:])
-    assert ("rank 0 exits now (code 70)" in proc.stderr or re.search(
-        r"PORTDDP_ERROR rank=0 RuntimeError: rank 1 \(pid \d+ on .*\) left without an error", proc.stdout)), \
-        proc.stdout[-2000:] + proc.stderr[-2000:]
+    another shape, silently (c10d), or dies in MPI; portddp names it on the receiving rank."""
+    named_by_rank_1_then_rank_0_stops(
+        "buffer_shape_after_wrap", transport, r"(the buffers rank 0 broadcast differ in shape or dtype from this "
+        r"rank's \(1\)|the broadcast of rank 0's buffers failed on rank 1 .* this rank's buffers are 4: .*mask "
+        r"\(6, 6\) float32).*pass broadcast_buffers=False")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
