@@ -2,7 +2,7 @@
 
     portddp run overlap -n 2            # mpirun -n 2 python -m experiments.overlap
     portddp run bucket_sweep -n 2 -- --caps 1 16
-    portddp compare --model gpt -n 2    # mpirun -n 2 python -m comparisons.equivalence --model gpt
+    portddp compare -n 2 -- --model gpt # mpirun -n 2 python -m comparisons.equivalence --model gpt
     portddp mixed -n 3                  # mpirun -n 3 python -m comparisons.mixed
     portddp report                      # python -m comparisons.report
     portddp cluster -n 4 --hosts 2 --link 1gbit -- python train.py   # an emulated cluster (root)

@@ -262,6 +262,10 @@ class Model:
         return cls(link, fit_contention(on, off), fit_comm_contention(on, link, rate_bps))
 
 
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
 def _busy_fraction(forward_s: float, backward_s: float, starts, ends) -> float:
     if backward_s <= 0:
         return 0.0
@@ -281,7 +285,7 @@ class Prediction:
     def summary(self) -> str:
         return (f"step {self.step_s * 1e3:.1f} ms (iteration {self.iteration_s * 1e3:.1f} ms: backward "
                 f"{self.backward_s * 1e3:.1f} ms, exposed communication {self.exposed_comm_s * 1e3:.1f} ms, overlap "
-                f"ratio {self.overlap_ratio:.2f}, {len(self.buckets)} buckets)")
+                f"ratio {self.overlap_ratio:.2f}, {_count(len(self.buckets), 'bucket')})")
 
 
 def simulate(trace: Trace, model: "Model | LinkModel", *, world: int | None = None, rate_bps: float | None = None,
@@ -487,14 +491,14 @@ def main(argv=None) -> int:
                  first_bucket_cap_mb=ns.first_bucket_cap, overlap=not ns.no_overlap, compression=ns.compression,
                  no_sync_every=ns.no_sync_every, compute_scale=ns.compute_scale)
     took = time.perf_counter() - t0
-    print(f"trace: {ns.impl} from {ns.result} ({world} ranks, link "
+    print(f"trace: {ns.impl} from {ns.result} ({_count(world, 'rank')}, link "
           f"{'unlimited' if not trace_rate else f'{trace_rate / 1e6:.0f} Mbit/s'}): measured step "
           f"{rows[ns.impl]['median_s'] * 1e3:.1f} ms")
     print(f"link model: alpha {link.alpha_s * 1e6:.1f} us per all-reduce, {link.hop_s * 1e6:.1f} us per ring step, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
           + (f"(host-bound at {8 / link.host_s_per_byte / 1e9:.2f} Gbit/s)" if link.host_s_per_byte else
              "(wire-bound)") + f"; contention: compute x(1 + {model.kappa:.2f} f), communication beside compute "
           f"x{1 + model.kappa_comm:.2f}")
-    print(f"prediction at {world_to} ranks, link "
+    print(f"prediction at {_count(world_to, 'rank')}, link "
           f"{'unlimited' if not rate else f'{rate / 1e9:g} Gbit/s'}: {p.summary()} [{took * 1e3:.0f} ms]")
     return 0
 

@@ -182,7 +182,7 @@ def test_main_predicts_from_a_valid_result(result, capsys):
                  "--hop-latency-us", "10"]) == 0
     assert "prediction at 64 ranks, link 10 Gbit/s" in capsys.readouterr().out
     assert main([result, "--world", "1", "--link", "unlimited"]) == 0
-    assert "prediction at 1 ranks, link unlimited" in capsys.readouterr().out
+    assert "prediction at 1 rank, link unlimited" in capsys.readouterr().out
     assert main([result, "--link", "0"]) == 0  # as for `portddp cluster --link 0`: no limit
     assert "link unlimited" in capsys.readouterr().out.splitlines()[-1]
 
