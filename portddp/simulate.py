@@ -230,13 +230,35 @@ def fit_contention(on: Trace, off: Trace) -> float:
 
 
 def fit_comm_contention(on: Trace, link: LinkModel, rate_bps: float | None) -> float:
-    """kappa_comm: an all-reduce that runs beside backward compute takes (1 + kappa_comm) x its time alone
-    (the median over the buckets of an overlapped iteration that started before backward ended)."""
+    """kappa_comm: while backward compute runs beside it, an all-reduce progresses (1 + kappa_comm) x
+    slower than alone; after backward ends, at its own pace (_beside_compute). The median over the
+    buckets of an overlapped iteration that started before backward ended, each solved for the part
+    of its measured duration that lay beside compute."""
     end = on.forward_s + on.backward_s
-    ratios = [s[3] / link.allreduce_s(s[0], on.world, rate_bps) - 1
-              for s, start in zip(samples_from_trace(on, rate_bps), _starts(on)) if start < end]
+    ratios = []
+    for s, start in zip(samples_from_trace(on, rate_bps), _starts(on)):
+        alone, took = link.allreduce_s(s[0], on.world, rate_bps), s[3]
+        if start >= end or not alone > 0:
+            continue
+        beside = end - start
+        if start + took <= end:  # all of it beside compute
+            ratios.append(took / alone - 1)
+        elif alone - (took - beside) > 0:  # beside for `beside` s, then alone for the rest
+            ratios.append(beside / (alone - (took - beside)) - 1)
     ratios = [r for r in ratios if math.isfinite(r)]
     return max(0.0, float(np.median(ratios))) if ratios else 0.0
+
+
+def _beside_compute(start: float, alone: float, end: float, kappa_comm: float) -> float:
+    """How long an all-reduce taking `alone` seconds by itself takes when it starts at `start` and
+    backward compute runs beside it until `end`: (1 + kappa_comm) x slower while it does, at its own
+    pace after (only the part beside compute is stretched)."""
+    if start >= end or kappa_comm <= 0:
+        return alone
+    beside = end - start
+    if alone * (1 + kappa_comm) <= beside:
+        return alone * (1 + kappa_comm)
+    return beside + (alone - beside / (1 + kappa_comm))
 
 
 def _starts(trace: Trace) -> list[float]:
@@ -314,8 +336,7 @@ def simulate(trace: Trace, model: "Model | LinkModel", *, world: int | None = No
         starts, ends, prev = [], [], 0.0
         for ready_b, d in zip(r, durations):
             start = max(forward + (ready_b if overlap else backward), prev)
-            if start < forward + backward:  # beside compute: the shared cores slow it down
-                d *= 1 + model.kappa_comm
+            d = _beside_compute(start, d, forward + backward, model.kappa_comm)
             starts.append(start)
             ends.append(start + d)
             prev = start + d

@@ -87,6 +87,16 @@ def test_contention_stretches_backward_and_the_communication_beside_it():
     assert first["end_s"] - first["start_s"] == pytest.approx(2 * wire_s(20 * MB))
 
 
+def test_only_the_part_of_an_all_reduce_beside_compute_is_stretched():
+    """(Was: the whole all-reduce x (1 + kappa_comm) once it started before backward ended, so a
+    large kappa_comm could make overlap predict slower than no overlap.)"""
+    from portddp.simulate import _beside_compute  # noqa: PLC0415
+
+    assert _beside_compute(0.0, 1.0, 10.0, 1.0) == pytest.approx(2.0)  # all of it beside compute
+    assert _beside_compute(9.0, 1.0, 10.0, 1.0) == pytest.approx(1.0 + 0.5)  # 1 s at half pace, then 0.5 s alone
+    assert _beside_compute(10.0, 1.0, 10.0, 1.0) == 1.0  # after backward: its own time
+
+
 def test_replanning_gives_portddp_buckets_plan():
     specs = [ParamSpec(f"p{i}", (256, 256), "float32") for i in range(12)]
     plan = plan_buckets(specs, 1.0, 0.25)
