@@ -457,7 +457,8 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="portddp simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("result", help="an overlap experiment's JSON (e.g. results/overlap-n2-h2-600mbit.json)")
-    parser.add_argument("--impl", default="torch-c10d", help="which implementation's row to replay")
+    parser.add_argument("--impl", default="torch-c10d", help="which implementation's row to replay: torch-c10d, "
+                        "torch-mpi or jax-hooked (rows with per-bucket events; native and jax-compiled have none)")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: the trace's)")
     parser.add_argument("--link", default=None, help="link rate, e.g. 10gbit (default: the trace's)")
     parser.add_argument("--bucket-cap", type=float, default=None, help="bucket cap in MB (re-planned)")
