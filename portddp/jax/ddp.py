@@ -66,7 +66,7 @@ from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
-from portddp.protocol import (buffer_sync_header, check_buffer_sync_header, check_same_config,
+from portddp.protocol import (buffer_layout, buffer_sync_header, check_buffer_sync_header, check_same_config,
                               check_same_frozen, check_same_step, check_same_specs, hook_result_error,
                               nonfinite_error, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
@@ -796,7 +796,9 @@ class DistributedDataParallel(DDPCommon):
         """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast with a header
         saying which step they were sent for, checked by the receivers (portddp.protocol)."""
         arrays = [np.array(x) for x in leaves]
-        mine = buffer_sync_header(self._iterations, synchronises, self._buffer_syncs)
+        # (the buffers' layout too, as portddp.torch's header: a receiver whose buffers differ names it)
+        mine = buffer_sync_header(self._iterations, synchronises, self._buffer_syncs,
+                                  buffer_layout([(a.shape, a.dtype.name) for a in arrays]))
         self._buffer_syncs += 1
         if self.world_size > 1:
             header = np.array(mine, np.int64)

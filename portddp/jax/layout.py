@@ -80,14 +80,15 @@ class Layout:
                 "trainable floating-point parameters and keep integer state elsewhere (for Flax NNX: hold it in "
                 "an nnx.Variable, or a subclass such as nnx.BatchStat, not in an nnx.Param -- nnx_value_and_grad "
                 f"carries it through the step) ({len(not_float)} such leaves)")
-        odd = [(n, _dtype(x)) for n, x in zip(self.leaf_names, leaves) if _dtype(x) not in REDUCED_DTYPES]
+        dtypes = [_dtype(x) for x in leaves]
+        odd = [(n, d) for n, d in zip(self.leaf_names, dtypes) if d not in REDUCED_DTYPES]
         if odd:
             raise ValueError(
                 f"leaf {odd[0][0]} has dtype {odd[0][1]}, which portddp.jax does not reduce (it reduces "
                 f"{', '.join(REDUCED_DTYPES)}): keep the parameter in one of those and cast it inside loss_fn "
                 f"({len(odd)} such leaves)")
         self.leaf_shapes = [tuple(np.shape(x)) for x in leaves]
-        self.leaf_dtypes = [_dtype(x) for x in leaves]
+        self.leaf_dtypes = dtypes
         if canonical is None:
             ks = range(len(leaves)) if order is None else self._indices(order, "order")
             canonical = [Canonical(self.leaf_names[i], self.leaf_names[i], None) for i in ks]
