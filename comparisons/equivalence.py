@@ -31,6 +31,7 @@ from pathlib import Path
 import portddp
 from harness.adapter import Workload, make_trainer
 from harness.compare import BOUNDS, SAME_FRAMEWORK_BOUND, worst_deviation
+from harness.results import out_dir_problem
 from harness.config import parse_config
 from harness.results import environment, write_result
 from portddp.launch import detect
@@ -44,12 +45,12 @@ ADAPTER = {"torch-ref": "torch-local", "native-ddp": "native", "jax-ref": "jax-l
 class Config:
     model: str = dataclasses.field(default="mlp", metadata={"help": "mlp, cnn or gpt"})
     size: str = dataclasses.field(default="tiny", metadata={"help": "tiny or bench"})
-    steps: int = dataclasses.field(default=5, metadata={"help": "optimizer steps"})
+    steps: int = dataclasses.field(default=5, metadata={"help": "optimizer steps", "least": 1})
     dtype: str = dataclasses.field(default="float64", metadata={"help": "float64 or float32"})
     optimizer: str = dataclasses.field(default="sgd", metadata={"help": "sgd (momentum 0.9) or adamw"})
-    global_batch: int = dataclasses.field(default=12, metadata={"help": "samples per step over all ranks"})
-    lr: float = dataclasses.field(default=0.05, metadata={"help": "learning rate (adamw: lr / 10)"})
-    bucket_cap_mb: float = dataclasses.field(default=0.01, metadata={"help": "bucket cap: several buckets"})
+    global_batch: int = dataclasses.field(default=12, metadata={"help": "samples per step over all ranks", "least": 1})
+    lr: float = dataclasses.field(default=0.05, metadata={"help": "learning rate (adamw: lr / 10)", "least": 0})
+    bucket_cap_mb: float = dataclasses.field(default=0.01, metadata={"help": "bucket cap: several buckets", "above": 0})
     seed: int = dataclasses.field(default=0, metadata={"help": "weights and data seed"})
     impls: tuple[str, ...] = dataclasses.field(default=IMPLS, metadata={"help": "implementations to run"})
     out: str = dataclasses.field(default="results/equivalence", metadata={"help": "output directory"})
@@ -77,6 +78,9 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.global_batch % world_size:
         raise SystemExit(f"--global-batch {cfg.global_batch} is not divisible by the world size {world_size}: "
                          f"pass a multiple of {world_size}")
+    problem = out_dir_problem(cfg.out, "--out")
+    if problem:
+        raise SystemExit(problem)
 
 
 def reference_of(cfg: Config) -> str:

@@ -31,11 +31,11 @@ from portddp.launch import detect
 class Config:
     model: str = dataclasses.field(default="mlp", metadata={"help": "mlp or gpt (models without buffers)"})
     size: str = dataclasses.field(default="tiny", metadata={"help": "tiny or bench"})
-    steps: int = dataclasses.field(default=5, metadata={"help": "optimizer steps"})
+    steps: int = dataclasses.field(default=5, metadata={"help": "optimizer steps", "least": 1})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 or float64"})
-    global_batch: int = dataclasses.field(default=12, metadata={"help": "samples per step over all ranks"})
-    lr: float = dataclasses.field(default=0.05, metadata={"help": "SGD learning rate (momentum 0.9)"})
-    bucket_cap_mb: float = dataclasses.field(default=0.01, metadata={"help": "bucket cap: several buckets"})
+    global_batch: int = dataclasses.field(default=12, metadata={"help": "samples per step over all ranks", "least": 1})
+    lr: float = dataclasses.field(default=0.05, metadata={"help": "SGD learning rate (momentum 0.9)", "least": 0})
+    bucket_cap_mb: float = dataclasses.field(default=0.01, metadata={"help": "bucket cap: several buckets", "above": 0})
     seed: int = dataclasses.field(default=0, metadata={"help": "weights and data seed"})
 
 
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
         raise SystemExit("--model cnn has BatchNorm buffers, which only PyTorch ranks would broadcast: "
                          "the mixed job takes mlp or gpt")
     world = detect()
+    if world.size < 2:
+        raise SystemExit(f"the mixed job needs 2 or more ranks (even ranks PyTorch, odd ranks JAX); this one has "
+                         f"{world.size}: run `portddp mixed -n 2` (or mpirun -n 2 python -m comparisons.mixed)")
     if cfg.global_batch % world.size:
         raise SystemExit(f"--global-batch {cfg.global_batch} is not divisible by the world size {world.size}: "
                          f"pass a multiple of {world.size}")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import portddp
+from harness.results import out_dir_problem
 
 PAPER_OVERLAP = {  # DDP paper (arXiv:2006.15704) §5.1: speedup from overlapping, per backend
     "ResNet50, NCCL": 38.0, "BERT, NCCL": 35.2, "ResNet50, Gloo": 26.8, "BERT, Gloo": 21.5}
@@ -744,11 +745,19 @@ def to_html(head: str, sections) -> str:
 
 def main(argv=None, prog: str | None = None) -> int:
     """`python -m comparisons.report` (or `portddp report`, which passes its own name as `prog`)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog or "python -m comparisons.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results", help="directory with the result JSON")
     parser.add_argument("--out", default="reports/latest", help="where report.md, report.html and PNGs go")
     args = parser.parse_args(argv)
-    path = build(Path(args.results), Path(args.out))
+    results = Path(args.results)
+    if not results.is_dir():
+        parser.error(f"--results {results} is a file: pass the directory the experiments wrote their JSON into"
+                     if results.exists() else f"no results under {results} (it does not exist): run the experiments "
+                     "first (see README), or pass the directory they wrote their JSON into with --results")
+    problem = out_dir_problem(args.out, "--out")
+    if problem:
+        parser.error(problem)
+    path = build(results, Path(args.out))
     print(f"report: {path.resolve()}")
     return 0
 

@@ -14,7 +14,7 @@ from harness.config import parse_config
 
 @dataclasses.dataclass
 class Config(runner.ExperimentConfig):
-    every: tuple[int, ...] = dataclasses.field(default=(1, 2, 4, 8), metadata={"help": "micro-batches per sync"})
+    every: tuple[int, ...] = dataclasses.field(default=(1, 2, 4, 8), metadata={"help": "micro-batches per sync", "least": 1})
     impls: tuple[str, ...] = dataclasses.field(default=("native", "torch-c10d", "torch-mpi", "jax-hooked",
                                                         "jax-compiled"),
                                                metadata={"help": "implementations"})

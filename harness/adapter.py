@@ -47,12 +47,12 @@ class Workload:
     depth: int = dataclasses.field(default=0, metadata={"help": "mlp: number of Linear layers (0: the size's; "
                                                                 "bench 8)"})
     activation: str = dataclasses.field(default="relu", metadata={"help": "mlp: relu or gelu between the layers"})
-    batch: int = dataclasses.field(default=64, metadata={"help": "samples (gpt: sequences) per rank per step"})
+    batch: int = dataclasses.field(default=64, metadata={"help": "samples (gpt: sequences) per rank per step", "least": 1})
     seq: int = dataclasses.field(default=0, metadata={"help": "gpt: tokens per sequence (0: its block size)"})
     dtype: str = dataclasses.field(default="float32", metadata={"help": "float32 or float64"})
     optimizer: str = dataclasses.field(default="sgd", metadata={"help": "sgd (momentum 0.9), adamw (lr / 10) or "
                                                                         "sgd-unfused"})
-    lr: float = dataclasses.field(default=0.01, metadata={"help": "learning rate"})
+    lr: float = dataclasses.field(default=0.01, metadata={"help": "learning rate", "least": 0})
     seed: int = dataclasses.field(default=0, metadata={"help": "model and data seed"})
 
     def validate(self, world_size: int = 1) -> None:
@@ -237,7 +237,13 @@ class TorchTrainer(_Trainer):
                                                    transport=impl.removeprefix("torch-"),
                                                    overlap=knobs.get("overlap", True), gradient_as_bucket_view=view)
         hook = knobs.get("hook", "none")
+        if hook != "none" and impl == "torch-local":
+            raise SystemExit(f"torch-local has no communication to compress: drop it from --impls for hook {hook!r}")
         if hook != "none":
+            if impl == "native":  # PyTorch's own hooks of the same arithmetic (native checks their annotations)
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+
+                fp16_compress_hook, bf16_compress_hook = default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook
             self.wrapped.register_comm_hook(None, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[hook])
         params = list(self.model.parameters())
         if work.optimizer == "sgd":

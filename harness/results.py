@@ -14,7 +14,22 @@ import statistics
 import sys
 from pathlib import Path
 
-__all__ = ["write_result", "read_result", "environment", "median"]
+__all__ = ["write_result", "read_result", "environment", "median", "out_dir_problem"]
+
+
+def out_dir_problem(path: str | os.PathLike, flag: str) -> str | None:
+    """Why `path` cannot be (made into) an output directory, in one line naming `flag` and the fix,
+    or None: checked before a run starts, not when its results are written at the end."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"lies under {p}, which is a file"
+                return f"{flag} {path} {what}: pass a directory (made if missing)"
+            if not os.access(p, os.W_OK | os.X_OK):
+                return f"{flag} {path}: {p} is not writable: pass a directory you may write"
+            return None
+    return None
 
 
 def write_result(path: str | os.PathLike, payload: dict) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 import portddp
 from harness.adapter import IMPLEMENTATIONS, Workload, check_implementations, make_trainer
 from harness.measure import GROUPS, CpuMeter, Memory, no_collection, rotated
-from harness.results import environment, median, write_result
+from harness.results import environment, median, out_dir_problem, write_result
 from portddp import cluster, malloc
 from portddp.launch import detect
 from portddp.timeline import IterationEvents, chrome_trace
@@ -66,6 +66,9 @@ class ExperimentConfig(Workload):
                 ("--ranks", self.ranks, 0, "is not a number of ranks the run must have (0: any)")):
             if value < least:
                 raise SystemExit(f"{flag} {value} {what}: pass {flag} {least} or more")
+        problem = out_dir_problem(self.out_dir, "--out-dir")
+        if problem:
+            raise SystemExit(problem)
         caps = [("--bucket-cap-mb", getattr(self, "bucket_cap_mb", None)),
                 *(("--caps", c) for c in getattr(self, "caps", ()))]
         for flag, cap in caps:  # (what DistributedDataParallel would refuse on every rank, with a traceback)

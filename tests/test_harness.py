@@ -166,3 +166,60 @@ def test_a_row_records_the_events_of_its_median_iteration():
     assert _median_events(times, [{"events": e, "iteration_time": 1.0} for e in events]) is events[2]
     assert _median_events(times, [{} for _ in events]) is None  # (native: no events of its own)
     assert _median_events([], []) is None
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    ("experiments.no_sync", ["--every", "2", "0"], "--every 0: pass 1 or more (micro-batches per sync)"),
+    ("experiments.overlap", ["--batch", "0"], "--batch 0: pass 1 or more"),
+    ("experiments.overlap", ["--lr", "-0.5"], "--lr -0.5: pass 0 or more"),
+    ("comparisons.equivalence", ["--steps", "0"], "--steps 0: pass 1 or more (optimizer steps)"),
+    ("comparisons.equivalence", ["--global-batch", "0"], "--global-batch 0: pass 1 or more"),
+    ("comparisons.equivalence", ["--bucket-cap-mb", "-1"], "--bucket-cap-mb -1.0: pass more than 0"),
+    ("comparisons.equivalence", ["--bucket-cap-mb", "nan"], "--bucket-cap-mb nan: pass more than 0"),
+    ("comparisons.mixed", ["--steps", "-1"], "--steps -1: pass 1 or more")])
+def test_values_that_would_measure_or_compare_nothing_are_refused_at_parse(module, argv, message, capsys):
+    """(--every 0 ended in an UnboundLocalError; --steps 0 made the equivalence harness print EQUIVALENT
+    over nothing, --global-batch 0 trained 1 sample per rank; --bucket-cap-mb -1 and --lr -1 were
+    tracebacks from DistributedDataParallel and torch.optim.)"""
+    import importlib  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(importlib.import_module(module).Config, argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_an_output_directory_that_is_a_file_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """(--out-dir on a file failed with FileExistsError after the whole measurement -- ~10 minutes of
+    bench; report --out and --results on a file were tracebacks or 'no results'.)"""
+    from comparisons import report  # noqa: PLC0415
+    from harness import runner  # noqa: PLC0415
+    from harness.results import out_dir_problem  # noqa: PLC0415
+
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert out_dir_problem(tmp_path / "new" / "dir", "--out") is None
+    assert out_dir_problem(a_file / "sub", "--out") == (f"--out {a_file / 'sub'} lies under {a_file}, which is a "
+                                                        "file: pass a directory (made if missing)")
+
+    def started(*_, **__):
+        raise AssertionError("the experiment started")
+
+    monkeypatch.setattr(runner.portddp, "init", started)
+    cfg = parse_config(runner.ExperimentConfig, ["--out-dir", str(a_file)])
+    with pytest.raises(SystemExit, match=f"--out-dir {a_file} is a file: pass a directory"):
+        runner.run("overlap", cfg, started)
+    for argv, message in (([ "--results", str(a_file)], "is a file: pass the directory the experiments wrote"),
+                          (["--results", str(tmp_path / "none")], "(it does not exist): run the experiments first"),
+                          (["--results", str(tmp_path), "--out", str(a_file)], f"--out {a_file} is a file")):
+        with pytest.raises(SystemExit) as exit_:
+            report.main(argv)
+        assert exit_.value.code == 2, argv
+
+
+def test_the_mixed_job_refuses_a_single_rank():
+    from comparisons import mixed  # noqa: PLC0415
+
+    with pytest.raises(SystemExit, match="the mixed job needs 2 or more ranks"):
+        mixed.main(["--steps", "1"])
