@@ -243,6 +243,10 @@ class TorchTrainer(_Trainer):
             if impl == "native":  # PyTorch's own hooks of the same arithmetic (native checks their annotations)
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
 
+                if hook == "bf16":  # (native refuses it without NCCL: a TypeError on every rank)
+                    raise SystemExit("native DDP's bf16_compress_hook needs NCCL (CUDA): on CPU, compare bf16 with "
+                                     "the portddp implementations only")
+
                 fp16_compress_hook, bf16_compress_hook = default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook
             self.wrapped.register_comm_hook(None, {"fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[hook])
         params = list(self.model.parameters())
