@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from harness import runner
 from harness.adapter import HOOKS
 from harness.config import parse_config
@@ -22,6 +20,8 @@ class Config(runner.ExperimentConfig):
 
 
 def variants(cfg: Config, world):
+    import torch  # noqa: PLC0415
+
     for hook in HOOKS:
         for impl in cfg.impls:
             if impl == "native" and hook == "bf16" and not torch.cuda.is_available():

@@ -20,12 +20,13 @@ import typing
 __all__ = ["parse_config"]
 
 
-def parse_config(cls, argv=None, description: str | None = None, epilog: str | None = None):
+def parse_config(cls, argv=None, description: str | None = None, epilog: str | None = None, prog: str | None = None):
     """An argparse CLI for a config dataclass: one --flag per field, its default
     and its `help` metadata shown by --help (`epilog` after them: what else the entry point does)."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)  # `python -m experiments.overlap`: name it so, not overlap.py
-    parser = argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec is not None and spec.name else None,
+    if prog is None:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # `python -m experiments.overlap`, not overlap.py
+        prog = f"python -m {spec.name}" if spec is not None and spec.name else None
+    parser = argparse.ArgumentParser(prog=prog,
                                      description=description, epilog=epilog,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(cls)

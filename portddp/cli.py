@@ -126,7 +126,43 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
     os.environ["PORTDDP_MPIRUN_BIND"] = " ".join(bound)  # (recorded in the results: harness.runner)
     cmd = [mpirun, *bound, "-n", str(n), sys.executable, "-m", module, *args]
     print("$ " + " ".join(["mpirun", *cmd[1:]]).replace(sys.executable, "python"), flush=True)
-    return subprocess.call(cmd)
+    return _call(cmd)
+
+
+def _call(cmd: list[str]) -> int:
+    """Run mpirun and wait. Ctrl-C reaches mpirun too (the terminal signals the whole foreground
+    group), which stops its ranks: wait for that (30 s at most, or until a second Ctrl-C), then
+    stop it ourselves, and exit 130 with one line instead of a traceback."""
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=30)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except (KeyboardInterrupt, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+        print("portddp: interrupted; mpirun and its ranks have stopped", file=sys.stderr, flush=True)
+        return 130
+
+
+def _preflight(command: str, module: str, args: list[str]) -> None:
+    """Parse the module's own options here, once, before mpirun or a cluster starts: a misspelled
+    option (`--hots 2`) or a bad value is refused in one line, not once per rank after the launch."""
+    if args[:1] == ["--summarize"]:  # (soak's other mode: no config to parse)
+        return
+    from harness.config import parse_config  # noqa: PLC0415
+    from harness.runner import ExperimentConfig  # noqa: PLC0415
+
+    config = getattr(importlib.import_module(module), "Config", ExperimentConfig)
+    name = module.rsplit(".", 1)[1]
+    prog = f"portddp run {name} [-n N] [--hosts H] [--link RATE] [--]" if command == "run" else \
+        f"portddp {command} [-n N] [--hosts H] [--link RATE] [--]"
+    parse_config(config, args, prog=prog)
 
 
 def _check(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
@@ -160,8 +196,9 @@ def _module_help(command: str, module: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="portddp", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    summary, examples = __doc__.split("\n\n", 1)
+    parser = argparse.ArgumentParser(prog="portddp", description=summary,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples)
     argv = list(sys.argv[1:] if argv is None else argv)
     named = argv[1] if argv[:1] == ["run"] and argv[1:2] and argv[1] in EXPERIMENTS else "EXPERIMENT"
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,6 +249,8 @@ def main(argv=None) -> int:
     _checkout()
     module = {"run": f"experiments.{getattr(ns, 'experiment', '')}", "compare": "comparisons.equivalence",
               "mixed": "comparisons.mixed"}[ns.command]
+    if not ({"-h", "--help"} & set(args)):
+        _preflight(ns.command, module, args)
     return _mpirun(ns.ranks, module, args, ns.hosts, ns.link or "1gbit", ns.or_loopback, ns.bind)
 
 

@@ -28,7 +28,7 @@ def launched(monkeypatch):
         raise AssertionError(f"something was made: {cmd}")
 
     monkeypatch.setattr(cluster, "_run", made)
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(("mpirun", cmd)) or 0)
+    monkeypatch.setattr(cli, "_call", lambda cmd: calls.append(("mpirun", cmd)) or 0)
     monkeypatch.setattr(cli, "binding", lambda n, bind, mpirun: [])
     monkeypatch.setattr(cluster, "main", lambda argv: calls.append(("cluster", argv)) or 0)
     return calls
@@ -60,6 +60,14 @@ _USAGE_ERRORS = [
     (["run", "overlap", "--hosts", "2", "--link", "0mbit"],
      "portddp run: error: link rate '0mbit' is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or a "
      "bare 0) for no shaping"),
+    # the module's own options, parsed once here before mpirun (were: an argparse error per rank, after the launch)
+    (["run", "overlap", "-n", "2", "--hots", "2"],
+     "portddp run overlap [-n N] [--hosts H] [--link RATE] [--]: error: unrecognized arguments: --hots 2"),
+    (["run", "no_sync", "--", "--every", "0"],
+     "portddp run no_sync [-n N] [--hosts H] [--link RATE] [--]: error: --every 0: pass 1 or more (micro-batches "
+     "per sync)"),
+    (["compare", "-n", "2", "--steps", "0"],
+     "portddp compare [-n N] [--hosts H] [--link RATE] [--]: error: --steps 0: pass 1 or more (optimizer steps)"),
 ]
 
 
@@ -150,3 +158,28 @@ def test_cluster_help_shows_the_defaults(capsys):
         cli.main(["cluster", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "no shaping (default: 1gbit)" in out and "(a multiple of --hosts) (default: 2)" in out, out
+
+
+def test_ctrl_c_stops_the_job_and_says_so_in_one_line(tmp_path):
+    """(Ctrl-C on `portddp run` printed two chained tracebacks.) SIGINT to the whole foreground group,
+    as a terminal sends it: mpirun stops its ranks, portddp waits for that and exits 130."""
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    proc = subprocess.Popen([sys.executable, "-m", "portddp.cli", "run", "soak", "-n", "1", "--", "--impls", "torch-mpi",
+                             "--out", str(tmp_path / "soak.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        time.sleep(8)  # (mpirun and its rank started)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, (out, err)
+    # (the rank's own KeyboardInterrupt may be reported by the rank, as any interrupted script's; the
+    # wrapper adds one line and no traceback of its own)
+    assert err.endswith("portddp: interrupted; mpirun and its ranks have stopped\n"), err
+    assert "cli.py" not in err and "subprocess.py" not in err, err
