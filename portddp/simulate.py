@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -373,7 +374,7 @@ def _buckets(trace: Trace, cap_mb: float | None, first_mb: float | None) -> tupl
 
 
 _RESULT_FIX = ("pass the result JSON of the overlap experiment on the emulated cluster: `portddp run overlap -n 2 "
-               "--hosts 2 --link matched` writes results/overlap-n2-h2-<rate>mbit.json")
+               "--hosts 2 --link matched -- --batch 1024` writes results/overlap-n2-h2-<rate>mbit.json")
 
 
 def _refuse(what: str, fix: str) -> NoReturn:
@@ -411,6 +412,16 @@ def _read_result(path: str) -> dict:
         _refuse(f"{path} is not an overlap-experiment result (it has no 'world' and 'rows' of measured iterations)",
                 fix)
     return payload
+
+
+_OFF = " (no overlap)"  # the label suffix of an implementation's row measured without overlap
+
+
+def _rate_text(bps: float | None) -> str:
+    """A link rate as people write it: 'unlimited', '600 Mbit/s', '10 Gbit/s'."""
+    if not bps:
+        return "unlimited"
+    return f"{bps / 1e9:g} Gbit/s" if bps >= 1e9 else f"{bps / 1e6:g} Mbit/s"
 
 
 def _link_rate(text: str) -> float | None:
@@ -458,7 +469,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="portddp simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("result", help="an overlap experiment's JSON (e.g. results/overlap-n2-h2-600mbit.json)")
     parser.add_argument("--impl", default="torch-c10d", help="which implementation's row to replay: torch-c10d, "
-                        "torch-mpi or jax-hooked (rows with per-bucket events; native and jax-compiled have none)")
+                        "torch-mpi or jax-hooked (rows with per-bucket events; native and jax-compiled have none); "
+                        "its '(no overlap)' row, when the result has one, is read for the fit")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: the trace's)")
     parser.add_argument("--link", default=None, help="link rate, e.g. 10gbit (default: the trace's)")
     parser.add_argument("--bucket-cap", type=float, default=None, help="bucket cap in MB (re-planned)")
@@ -477,13 +489,18 @@ def main(argv=None) -> int:
     payload = _read_result(ns.result)
     trace_rate = (payload.get("cluster") or {}).get("rate_bps")
     rows = {r["label"]: r for r in payload["rows"]}
-    replayable = [label for label, r in rows.items() if why_not_replayable(r) is None]
+    # (an implementation's "(no overlap)" row is its fit's other half, not a row to replay by itself)
+    replayable = [label for label, r in rows.items() if why_not_replayable(r) is None and not label.endswith(_OFF)]
     fix = (f"pass --impl one of: {', '.join(shlex.quote(label) for label in replayable)}" if replayable else
            f"{ns.result} has no row that can be; " + _RESULT_FIX)
     if ns.impl not in rows:
         _refuse(f"{ns.result} has no row {ns.impl!r} (it has {', '.join(map(repr, rows))})", fix)
     if why := why_not_replayable(rows[ns.impl]):
         _refuse(f"--impl {ns.impl} cannot be replayed bucket by bucket: {why}", fix)
+    if ns.impl.endswith(_OFF):
+        _refuse(f"--impl {ns.impl!r} is the no-overlap half of {ns.impl[:-len(_OFF)]!r}'s measurement, which the fit "
+                f"reads by itself", f"pass --impl {shlex.quote(ns.impl[:-len(_OFF)])}, and --no-overlap to predict "
+                "without overlap")
     world = payload["world"]["size"]
     if world < 2 and (ns.world or 1) > 1:  # (its all-reduces send nothing: no bandwidth to fit)
         _refuse(f"{ns.result} was measured with {world} rank, whose all-reduces send no bytes: it says nothing "
@@ -491,7 +508,7 @@ def main(argv=None) -> int:
                 "or more (e.g. portddp run overlap -n 2 --hosts 2 --link 1gbit)")
     t0 = time.perf_counter()
     on = Trace.from_row(rows[ns.impl], world)
-    off_row = rows.get(f"{ns.impl} (no overlap)")
+    off_row = rows.get(ns.impl + _OFF)
     off = Trace.from_row(off_row, world) if off_row and why_not_replayable(off_row) is None else on
     if off.plan is None and (ns.bucket_cap is not None or ns.first_bucket_cap is not None):
         flag = "--bucket-cap" if ns.bucket_cap is not None else "--first-bucket-cap"
@@ -513,15 +530,20 @@ def main(argv=None) -> int:
                  first_bucket_cap_mb=ns.first_bucket_cap, overlap=not ns.no_overlap, compression=ns.compression,
                  no_sync_every=ns.no_sync_every, compute_scale=ns.compute_scale)
     took = time.perf_counter() - t0
+    if not payload.get("cluster"):
+        print(f"portddp simulate: note: {ns.result} ran on this machine's loopback, not on an emulated cluster: its "
+              "ranks shared cores and memory and no link shaped their traffic, so the fitted link and contention "
+              "describe this machine; for predictions across links, measure on the emulated cluster (`portddp run "
+              "overlap -n 2 --hosts 2 --link matched -- --batch 1024`, root)", file=sys.stderr)
     print(f"trace: {ns.impl} from {ns.result} ({_count(world, 'rank')}, link "
-          f"{'unlimited' if not trace_rate else f'{trace_rate / 1e6:.0f} Mbit/s'}): measured step "
+          f"{_rate_text(trace_rate) if payload.get('cluster') else 'loopback'}): measured step "
           f"{rows[ns.impl]['median_s'] * 1e3:.1f} ms")
     print(f"link model: alpha {link.alpha_s * 1e6:.1f} us per all-reduce, {link.hop_s * 1e6:.1f} us per ring step, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
           + (f"(host-bound at {8 / link.host_s_per_byte / 1e9:.2f} Gbit/s)" if link.host_s_per_byte else
              "(wire-bound)") + f"; contention: compute x(1 + {model.kappa:.2f} f), communication beside compute "
           f"x{1 + model.kappa_comm:.2f}")
-    print(f"prediction at {_count(world_to, 'rank')}, link "
-          f"{'unlimited' if not rate else f'{rate / 1e9:g} Gbit/s'}: {p.summary()} [{took * 1e3:.0f} ms]")
+    print(f"prediction at {_count(world_to, 'rank')}, link {_rate_text(rate)}: {p.summary()} (fitted and "
+          f"replayed in {took * 1e3:.0f} ms)")
     return 0
 
 
