@@ -74,6 +74,13 @@ def mpi_comm():
     os.environ.setdefault("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "tsp_ring")
     from mpi4py import MPI  # noqa: PLC0415 -- MPI_Init happens at import; only when needed
 
+    if MPI.COMM_WORLD.Get_size() == 1:
+        # A job of one (also a script started without mpirun) has no peer to attach to the /dev/shm
+        # segment MPICH made in MPI_Init: its name can go now, so that no way of ending leaves it
+        # behind (several ranks: portddp.init, after their first collective).
+        from portddp import watchdog  # noqa: PLC0415
+
+        watchdog.unlink_mpi_shared_memory()
     return MPI.COMM_WORLD
 
 

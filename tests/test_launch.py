@@ -20,6 +20,23 @@ def test_alone_is_a_world_of_one(monkeypatch):
     assert detect() == World(0, 1, 0, 1, "none")
 
 
+def test_a_job_of_one_leaves_no_mpi_shared_memory_however_it_ends():
+    """(A single-process run killed by SIGTERM left MPICH's /dev/shm/mpich_shm_* segment in RAM: only
+    MPI_Finalize removes it, and portddp.init unlinks it only for several ranks.) Its name is gone
+    as soon as MPI is up; the process keeps its mapping."""
+    proc = subprocess.Popen([sys.executable, "-c", "from portddp.launch import mpi_comm; mpi_comm(); "
+                             "print('up', flush=True); import time; time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True, cwd=mpi.ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        with open(f"/proc/{proc.pid}/maps") as maps:
+            segments = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_" in line}
+        assert segments and all(s.endswith("(deleted)") for s in segments), segments
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_torchrun_environment(monkeypatch):
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
         monkeypatch.delenv(var, raising=False)
