@@ -115,7 +115,8 @@ class BucketPlan:
         return [list(b.params) for b in self.buckets]
 
     def describe(self) -> str:
-        lines = [f"BucketPlan: {len(self.specs)} params in {len(self.buckets)} buckets"]
+        n, k = len(self.specs), len(self.buckets)
+        lines = [f"BucketPlan: {n} param{'s' if n != 1 else ''} in {k} bucket{'s' if k != 1 else ''}"]
         for i, b in enumerate(self.buckets):
             names = [self.specs[p].name for p in b.params]
             shown = ", ".join(names[:4]) + (f", ... (+{len(names) - 4})" if len(names) > 4 else "")

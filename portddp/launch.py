@@ -401,13 +401,19 @@ def unpack_named(got: list, name: str | None, rank: int) -> list:
     def bare(n):
         return re.sub(r"^iteration \d+: ", "", n) if isinstance(n, str) else n
 
-    names = [n for n, _ in got]
+    # (a rank inside another collective may send anything: not a (name, obj) pair at all)
+    pairs = [g if isinstance(g, tuple) and len(g) == 2 else (f"another collective ({type(g).__name__})", None)
+             for g in got]
+    names = [n for n, _ in pairs]
     if name is not None and any(bare(n) != bare(name) for n in names):
         where = "; ".join(f"rank {r}: {n or 'an unnamed allgather_object'!r}" for r, n in enumerate(names))
+        fix = f"e.g. call {bare(name)!r} on every rank, or on none"
+        if len({"watchdog addresses" in str(n) for n in names}) > 1:
+            fix = "the watchdog is on for some ranks only: set PORTDDP_WATCHDOG, and portddp.init(watchdog=...), " \
+                  "alike on every rank"
         raise RuntimeError(f"the ranks met in different collectives -- {where} (this is rank {rank}). Every rank "
-                           f"must make the same calls in the same order (e.g. call {bare(name)!r} on every rank, or "
-                           "on none)")
-    return [o for _, o in got]
+                           f"must make the same calls in the same order ({fix})")
+    return [o for _, o in pairs]
 
 
 def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAULT_TIMEOUT_S,

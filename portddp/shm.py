@@ -147,9 +147,12 @@ class ShmAllreduce:
         self.scratch_bytes = _round(int(scratch_bytes or float(os.environ.get("PORTDDP_SHM_SCRATCH_MB", 16)) * mb))
         self.arena_bytes = _round(int(arena_bytes if arena_bytes is not None
                                       else float(os.environ.get("PORTDDP_SHM_ARENA_MB", 4096)) * mb))
-        # every rank must chunk alike: same scratch size everywhere
-        if len(set(comm.allgather(self.scratch_bytes))) != 1:
-            raise ValueError("PORTDDP_SHM_SCRATCH_MB differs between ranks")
+        # every rank must chunk alike and map its peers' segments whole: the same sizes everywhere
+        sizes = comm.allgather((self.scratch_bytes, self.arena_bytes))
+        if len(set(sizes)) != 1:
+            each = ", ".join(f"rank {r}: {a / mb:g} / {b / mb:g} MB" for r, (a, b) in enumerate(sizes))
+            raise ValueError(f"the shared-memory scratch / arena sizes differ between the ranks ({each}): set "
+                             "PORTDDP_SHM_SCRATCH_MB and PORTDDP_SHM_ARENA_MB alike on every rank, or on none")
         seg = _HEADER + self.scratch_bytes + self.arena_bytes
         self._fd, self._segs = _map_segments(self.node, seg, _HEADER + self.scratch_bytes)
         self._seg_addr = self._segs[self.local_rank].ctypes.data
@@ -364,13 +367,26 @@ def _map_segments(node, seg: int, backed: int):
     """One file of `seg` bytes per local rank in /dev/shm, every rank mapping all of them; the files
     are unlinked once mapped, so the memory goes when the processes do (also after kill -9).
     The first `backed` bytes of mine are allocated now (the rest as `empty` hands it out)."""
-    import mmap  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
     import uuid  # noqa: PLC0415
+
+    from portddp import watchdog  # noqa: PLC0415
 
     where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(where, f"portddp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    with watchdog.shared_file(path):  # (removed also if the watchdog ends this rank in the middle)
+        try:
+            return fd, _share(node, fd, path, seg, backed)
+        finally:
+            os.unlink(path)
+
+
+def _share(node, fd: int, path: str, seg: int, backed: int) -> list[np.ndarray]:
+    """_map_segments' collective part: size my file, learn the peers', map them all (mine unlinked
+    by the caller once every rank has)."""
+    import mmap  # noqa: PLC0415
+
     error = ""
     try:
         os.ftruncate(fd, seg)
@@ -379,21 +395,18 @@ def _map_segments(node, seg: int, backed: int):
         error = f"{path}: {e}"
     errors = [x for x in node.allgather(error) if x]
     paths = node.allgather(path)
-    try:
-        if errors:
-            raise OSError(f"no shared memory for the all-reduce: {errors[0]}")
-        segs = []
-        for j, p in enumerate(paths):
-            if j == node.rank:
-                mm = mmap.mmap(fd, seg, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            else:
-                with open(p, "r+b") as f:
-                    mm = mmap.mmap(f.fileno(), seg, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            segs.append(np.frombuffer(mm, dtype=np.uint8))
-        node.Barrier()  # everyone has mapped everyone's file
-    finally:
-        os.unlink(path)
-    return fd, segs
+    if errors:
+        raise OSError(f"no shared memory for the all-reduce: {errors[0]}")
+    segs = []
+    for j, p in enumerate(paths):
+        if j == node.rank:
+            mm = mmap.mmap(fd, seg, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            with open(p, "r+b") as f:
+                mm = mmap.mmap(f.fileno(), seg, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        segs.append(np.frombuffer(mm, dtype=np.uint8))
+    node.Barrier()  # everyone has mapped everyone's file
+    return segs
 
 
 _fence_lock = threading.Lock()

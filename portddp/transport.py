@@ -53,6 +53,33 @@ def _half_sum_op(np_dtype):
     return _half_ops[key]
 
 
+_AGREED = {  # environment settings every rank must share (their collectives depend on them), with defaults
+    "PORTDDP_MPI_ALLREDUCE": "shm", "PORTDDP_SHM_SCRATCH_MB": "16", "PORTDDP_SHM_ARENA_MB": "4096"}
+
+
+def _settings() -> dict:
+    """This rank's values of _AGREED (the MB ones as numbers, so that 16 and 16.0 agree)."""
+    out = {}
+    for name, default in _AGREED.items():
+        raw = os.environ.get(name, default)
+        try:
+            out[name] = float(raw) if name.endswith("_MB") else raw
+        except ValueError:
+            out[name] = raw
+    return out
+
+
+def _check_settings(every: list[dict], rank: int) -> None:
+    """Refuse, on every rank alike, settings that differ between ranks: naming each rank's value."""
+    for name in _AGREED:
+        values = [s.get(name) for s in every]
+        if len(set(map(repr, values))) > 1:
+            each = ", ".join(f"rank {r}: {v:g}" if isinstance(v, float) else f"rank {r}: {v!r}"
+                             for r, v in enumerate(values))
+            raise ValueError(f"{name} differs between the ranks ({each}; this is rank {rank}): set it alike on "
+                             f"every rank, or on none (default {_AGREED[name]})")
+
+
 def _check_contiguous(buf: np.ndarray) -> None:
     if not buf.flags.c_contiguous:
         raise ValueError("MPI transport buffers must be C-contiguous (a view of a flat bucket)")
@@ -173,7 +200,9 @@ class MPITransport:
             raise ValueError(f"PORTDDP_MPI_ALLREDUCE={self.allreduce_impl!r}: choose shm or mpi")
         self._shm = None
         self._warned_full = False
-        sizes = set(self.comm.allgather(self.local_size))
+        facts = self.comm.allgather((self.local_size, _settings()))
+        _check_settings([f[1] for f in facts], self.rank)  # (before the shared-memory set-up's own collectives)
+        sizes = {f[0] for f in facts}
         if self.allreduce_impl == "shm" and self.local_size > 1 and len(sizes) == 1:
             self._shm = ShmAllreduce(self.comm, self.node, wait=self._complete, half_op=_half_sum_op)
         else:

@@ -54,7 +54,11 @@ SIGTERM (from a scheduler, or forwarded by mpirun) stops the rank at once even
 while its main thread is blocked in a collective (the signal wakes this
 thread), and the others exit naming it; the signalled rank exits 143 (128 +
 SIGTERM). A SIGTERM handler of the script's own, installed after
-`portddp.init()`, takes precedence.
+`portddp.init()`, takes precedence. SIGINT (Ctrl-C) raises KeyboardInterrupt
+as in any script, but a main thread blocked in a collective would raise it
+only once the collective ends (that is, when the peer it waits for comes):
+one still waiting a second after the signal exits 130 the same way, naming
+the collective, unless the script installed a SIGINT handler of its own.
 
 Knobs: `portddp.init(watchdog=False)` or PORTDDP_WATCHDOG=0 turns it off;
 PORTDDP_WATCHDOG_S (default 0.25 s) is how often the launcher is checked. A
@@ -74,7 +78,7 @@ import socket
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 __all__ = ["EXIT_CODE", "Watchdog", "collective", "current", "listen", "pid_alive", "start", "stall_report",
            "step_started", "step_finished", "subgroups_in_use", "waiting"]
@@ -337,6 +341,7 @@ class Watchdog:
         self._done = False
         self._failed = False  # this rank died of an uncaught exception (it then skips MPI_Finalize)
         self._exiting = False  # _exit is under way (a second SIGTERM handler waits for it)
+        self._sigint_at: float | None = None  # a Ctrl-C the main thread may not see while blocked
         self._selector = selectors.DefaultSelector()
         for r, s in self.socks.items():
             self._selector.register(s, selectors.EVENT_READ, r)
@@ -407,6 +412,23 @@ class Watchdog:
             return
         if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             self._exit(f"{self._who(self.rank)} received SIGTERM", code=128 + signal.SIGTERM)
+        if signal.SIGINT in data and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._sigint_at = time.monotonic()
+
+    def _check_sigint(self) -> None:
+        """A Ctrl-C arrived: Python raises KeyboardInterrupt in the main thread when that thread next
+        runs Python code, which a thread blocked in a collective does only when the collective ends
+        -- at once if a peer is merely late, never if it is hung. Still blocked in a wait that began
+        before the signal, a second later: exit 130 as Ctrl-C would, telling the others."""
+        at, p = self._sigint_at, _PROGRESS
+        since = p.waiting_since
+        if since is None or since > at:  # not blocked (or a newer wait): KeyboardInterrupt has its way
+            if time.monotonic() - at > 5:
+                self._sigint_at = None
+            return
+        if time.monotonic() - at >= 1.0:
+            self._exit(f"{self._who(self.rank)} received SIGINT (Ctrl-C) while waiting in {p.waiting_for!r}",
+                       code=128 + signal.SIGINT)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -441,6 +463,8 @@ class Watchdog:
                     self._exit(what)
             if os.getppid() != self.parent:
                 self._exit(f"the launcher (pid {self.parent}) is gone")
+            if self._sigint_at is not None:
+                self._check_sigint()
             for r, at in list(self._departed_at.items()):
                 if time.monotonic() - at >= self._grace_s:
                     what = self._left_early(r)
@@ -684,12 +708,16 @@ def _summary(kind, value) -> str:
     """One line naming an uncaught exception, for the other ranks. An error raised inside a JAX host
     callback reaches Python wrapped by XLA ("INTERNAL: CpuCallback error: Traceback ..."): the
     inner exception's own line is the one that says what happened."""
+    if issubclass(kind, KeyboardInterrupt):
+        return "KeyboardInterrupt (SIGINT, Ctrl-C)"
     lines = [line.strip() for line in str(value).splitlines() if line.strip()]
     first = lines[0] if lines else ""
     if "Traceback" in first or "CpuCallback error" in first:
         inner = [line for line in lines[1:] if ": " in line and line.split(":", 1)[0].replace(".", "").isidentifier()]
         if inner:
             return f"{_clip(inner[-1])} (raised in a JAX host callback; {kind.__name__})"
+        if lines[-1] == "KeyboardInterrupt" or lines[-1].startswith("KeyboardInterrupt:"):
+            return f"KeyboardInterrupt (SIGINT, Ctrl-C) in a JAX host callback ({kind.__name__})"
     return f"{kind.__name__}: {_clip(first)}"
 
 
@@ -702,6 +730,20 @@ def _clip(line: str) -> str:
     return line if len(line) <= _SUMMARY_CHARS else line[:_SUMMARY_CHARS] + " [...]"
 
 
+_SHARED_FILES: set[str] = set()  # portddp.shm's segment files while the ranks map them (see shared_file)
+
+
+@contextmanager
+def shared_file(path: str):
+    """Within: `path` is a file the host's ranks are still opening (portddp.shm's segment), removed by
+    the exit paths below too -- a rank the watchdog ends inside never reaches its own `finally`."""
+    _SHARED_FILES.add(path)
+    try:
+        yield
+    finally:
+        _SHARED_FILES.discard(path)
+
+
 def unlink_mpi_shared_memory() -> None:
     """Remove the /dev/shm files MPICH shares with this host's ranks (`mpich_shm_*`, and `mpich_vci_*`
     with several VCIs; those this process has mapped), which only MPI_Finalize would remove -- else a job whose ranks end
@@ -709,7 +751,13 @@ def unlink_mpi_shared_memory() -> None:
     in a job of several ranks) once every rank has attached -- after its first collective over
     COMM_WORLD: MPICH makes the segment in MPI_Init and never opens it by name again -- so that not
     even SIGKILL leaves one; a rank ending on an error calls it again first thing. The ranks keep
-    their mappings."""
+    their mappings. Also portddp.shm's segment file if this rank ends while its peers are still
+    opening it (shared_file)."""
+    for path in list(_SHARED_FILES):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_" in line}

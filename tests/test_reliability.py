@@ -126,6 +126,43 @@ def test_under_mpirun_the_job_ends_at_once_naming_the_lost_rank(impl, tmp_path):
     assert not set(glob.glob("/dev/shm/mpich_shm_*")) - before, "the killed job left MPICH's segment behind"
 
 
+@pytest.mark.parametrize("impl,launcher", [("torch-c10d", "bare"), ("torch-mpi", "mpirun")])
+def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_it_at_once(impl, launcher, tmp_path):
+    """(A SIGINT to a rank waiting for a slow peer was raised only when the collective ended: 53 s
+    later, or never for a hung peer.) Rank 2 parks inside its backward pass; ranks 0 and 1 wait for
+    it in the bucket all-reduces; Ctrl-C to rank 0 ends it within seconds, exit 130, naming the
+    collective, and the others hear of it."""
+    procs = _start(impl, tmp_path, launcher, "park")
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "victim").exists():
+            assert not any(p.poll() is not None for p in procs) and time.monotonic() < deadline, "never parked"
+            time.sleep(0.05)
+        time.sleep(1.5)  # (ranks 0 and 1 are inside the collective by now)
+        os.kill(int((tmp_path / "pid.0").read_text()), signal.SIGINT)
+        sent = time.monotonic()
+        outputs = []
+        for p in procs:
+            try:
+                outputs.append((p.communicate(timeout=30)[0], p.returncode))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{impl}: still running 30 s after Ctrl-C on rank 0")
+        assert time.monotonic() - sent < 20
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    text = "\n".join(o for o, _ in outputs)
+    assert re.search(r"portddp: rank 0 \(pid \d+ on .*\) received SIGINT \(Ctrl-C\) while waiting in 'iteration \d+",
+                     text), text[-3000:]
+    if launcher == "bare":
+        assert outputs[0][1] == 130 and outputs[1][1] == EXIT_CODE and outputs[2][1] == EXIT_CODE, text[-3000:]
+    else:  # (mpirun stops the rest itself once one rank has ended)
+        assert outputs[0][1] != 0
+    assert_no_orphans([int((tmp_path / f"pid.{r}").read_text()) for r in range(3)])
+
+
 @pytest.mark.parametrize("impl", ("torch-c10d", "torch-mpi"))
 def test_without_portddp_init_a_rank_that_raises_still_stops_the_others_naming_it(impl, tmp_path):
     """A drop-in script never calls portddp.init() (torchrun-style: its own init_process_group; or

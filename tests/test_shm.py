@@ -114,3 +114,17 @@ os.write(1, f"FULL_OK {t.rank}\\n".encode())
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PORTDDP_MPI_ALLREDUCE": "shm", "PORTDDP_SHM_ARENA_MB": "1"})
     assert proc.stdout.count("FULL_OK") == 2, proc.stdout + proc.stderr[-3000:]
+
+
+def test_a_segment_file_still_being_opened_goes_with_a_rank_the_watchdog_ends(tmp_path):
+    """(A rank ended by the watchdog while its peers were still opening its segment -- in the set-up's
+    barrier -- never reached its own unlink: the file stayed in /dev/shm.) The exit paths call
+    unlink_mpi_shared_memory first; it removes the files registered with shared_file too."""
+    from portddp import watchdog  # noqa: PLC0415
+
+    path = tmp_path / "portddp-segment"
+    path.write_bytes(b"x")
+    with watchdog.shared_file(str(path)):
+        watchdog.unlink_mpi_shared_memory()
+        assert not path.exists()
+    assert str(path) not in watchdog._SHARED_FILES

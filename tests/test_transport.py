@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 
@@ -62,3 +63,24 @@ def test_waiting_for_a_late_peer_does_not_spin(impl):
         assert got_impl == impl
         assert float(wall) >= 0.9, (op, wall)
         assert float(cpu) <= 0.10 * float(wall), f"{op}: {cpu} s of CPU over a {wall} s wait"
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("PORTDDP_MPI_ALLREDUCE=mpi", "PORTDDP_MPI_ALLREDUCE differs between the ranks (rank 0: 'shm', rank 1: 'mpi'"),
+    ("PORTDDP_SHM_ARENA_MB=0.001", "PORTDDP_SHM_ARENA_MB differs between the ranks (rank 0: 4096, rank 1: 0.001"),
+    ("PORTDDP_SHM_SCRATCH_MB=8", "PORTDDP_SHM_SCRATCH_MB differs between the ranks (rank 0: 16, rank 1: 8"),
+    ("PORTDDP_WATCHDOG=0", "the watchdog is on for some ranks only: set PORTDDP_WATCHDOG"),
+])
+def test_a_setting_that_differs_between_ranks_is_named_on_every_rank(setting, message):
+    """(Were: `unhashable type: 'list'` -- one rank's shared-memory set-up paired with the other's
+    named allgather --, `mmap length is greater than file size` with the segment file left in
+    /dev/shm, `PORTDDP_SHM_SCRATCH_MB differs between ranks` with no values, and a fix nobody can
+    apply for a watchdog off on one rank.)"""
+    import glob  # noqa: PLC0415
+
+    before = set(glob.glob("/dev/shm/portddp-*"))
+    proc = mpi.run(2, "tests.workers.env_mismatch", f"1:{setting}", timeout=120, env={"PORTDDP_STALL_S": "20"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "stepped" not in proc.stdout, out[-3000:]
+    assert message in out, out[-3000:]
+    assert not set(glob.glob("/dev/shm/portddp-*")) - before, "a shared-memory segment file was left behind"

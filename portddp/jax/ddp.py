@@ -353,7 +353,11 @@ class DistributedDataParallel(DDPCommon):
         if self._hook is not None:
             raise RuntimeError("a comm hook is already registered; register_comm_hook can be called only once")
         if self._iterations:
-            raise RuntimeError("register_comm_hook must be called before the first synchronised step")
+            raise RuntimeError(
+                f"register_comm_hook after {self._iterations} synchronised step(s): portddp.jax takes a comm hook "
+                "only before the first one (the steps already traced fixed whether a hook reduces): register it "
+                "right after constructing the DistributedDataParallel, before training -- or, to switch hooks "
+                "mid-run, build a new DistributedDataParallel (and a new step function) from then on")
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket) -> Handle; got {hook!r}")
         self._hook, self._hook_state = hook, state
