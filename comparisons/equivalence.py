@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     order = sorted(impls, key=lambda i: (i != ref_name, not i.endswith("-ref")))
     say = print if world.rank == 0 else (lambda *a, **k: None)
     say(f"equivalence: {cfg.model} ({cfg.size}), {cfg.dtype}, {cfg.optimizer}, {cfg.steps} steps, "
-        f"{world.size} ranks, global batch {cfg.global_batch}; reference: {ref_name}")
+        f"{world.size} rank{'s' if world.size != 1 else ''}, global batch {cfg.global_batch}; reference: {ref_name}")
 
     reference = None
     own_refs: dict = {}  # framework -> trace of its single-process reference, when it runs
@@ -163,8 +163,8 @@ def print_table(results: dict, ref_name: str, bound: float, same_bound: float) -
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    table = Table(title=f"worst relative deviation from {ref_name} over all steps and ranks (bound {bound:g}); "
-                        f"last column: from the own framework's reference (bound {same_bound:g})")
+    table = Table(title=f"worst relative deviation from {ref_name} over all steps and ranks (bound {bound:g}). "
+                        f"Last column: from the own framework's reference (bound {same_bound:g})")
     for col in ("implementation", "loss", "reduced grads", "params", "vs own framework", "ok"):
         table.add_column(col, justify="right")
     for name, r in results.items():

@@ -66,6 +66,9 @@ def timed_step(trainer, barrier=None) -> dict[str, tuple[float, float]]:
 
 
 def main(argv: list[str]) -> None:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return
     lockstep = "--lockstep" in argv
     argv = [a for a in argv if a != "--lockstep"]
     model = argv[0] if argv else "gpt"

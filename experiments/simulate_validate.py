@@ -115,12 +115,16 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.simulate_validate", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     epilog="after --: the overlap experiment's own options for every grid run "
+                                            "(default: --batch 1024 --rounds 2 --steps-per-round 3 --warmup 2)")
     parser.add_argument("--rates", nargs="+", default=["1gbit", "500mbit"], help="link rates (the first is the "
                         "source point's)")
     parser.add_argument("--caps", nargs="+", type=float, default=[1.0, 4.0, 16.0], help="bucket caps (MB)")
     parser.add_argument("--hosts", nargs="+", type=int, default=[2, 3], help="hosts (one rank each)")
-    parser.add_argument("--out-dir", default="results")
+    parser.add_argument("--out-dir", default="results", help="where the grid's runs (under simulate_validate/) "
+                        "and the scores go")
     parser.add_argument("--reuse", action="store_true", help="reuse grid runs already in --out-dir")
     ns = parser.parse_args(argv)
     check(ns)

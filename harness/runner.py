@@ -108,7 +108,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
     groups: dict[str, list[Variant]] = {}
     for v in variants:
         groups.setdefault(v.group, []).append(v)
-    say(f"{name}: {len(variants)} variants in {len(groups)} group(s), {world.size} ranks", flush=True)
+    say(f"{name}: {len(variants)} variants in {len(groups)} group(s), {world.size} rank{'s' if world.size != 1 else ''}", flush=True)
     memory = Memory()
     rows, traces = [], []
     for g, (group, members) in enumerate(groups.items(), start=1):

@@ -11,8 +11,11 @@ want=$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "== setting up .venv: CPU PyTorch 2.13.0, JAX, MPICH + mpi4py, portddp (a minute or two) =="
   "$python" -m venv .venv
-  # The pinned CPU build first: a bare torch requirement can resolve a CUDA build of several GB.
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+  # The pinned CPU build first: a bare torch requirement can resolve a CUDA build of several GB. Where pip
+  # offers no CPU wheel of it (plain PyPI on Linux x86-64 serves the CUDA one), name PyTorch's CPU index:
+  # PORTDDP_TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/bootstrap.sh ...
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    ${PORTDDP_TORCH_INDEX:+--index-url "$PORTDDP_TORCH_INDEX"} torch==2.13.0
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
   echo "$want" > "$stamp"
 fi
