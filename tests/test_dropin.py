@@ -24,7 +24,7 @@ SCENARIOS = [
     "copies", "zero_size_param", "channels_last", "channels_last_view", "freeze_later_unused",
     "late_fp16", "late_fp16_after_eval_forward", "builtin_allreduce", "builtin_fp16_compress",
     "post_accumulate_hook_after_wrap", "unused_buckets_as_native", "buffer_registered_after_wrap",
-    "complex_allreduce_hook", "pruned_after_wrap", "frozen_teacher",
+    "complex_allreduce_hook", "pruned_after_wrap", "frozen_teacher", "static_graph_dataclass_output",
 ]
 
 
@@ -48,6 +48,7 @@ def test_trains_exactly_like_native_ddp(results, scenario):
         assert row.get("buckets_as_native", True), row  # a comm hook saw native's buckets
         assert row.get("old_refused", True), row  # rewrap: the superseded wrapper refuses a forward
         assert row.get("copy_refuses_backward", True), row  # copies: a deepcopy of portddp's wrapper refuses to train
+        assert row.get("ranks_agree", True), row  # static_graph with a dataclass output: the ranks stay in step
 
 
 def test_native_attributes_and_module_interface(results):

@@ -10,6 +10,7 @@ the largest difference of parameters and buffers (bitwise expected at n=2)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import sys
 import warnings
@@ -361,6 +362,41 @@ def static_graph_ignored_output(transport):
     ours = DistributedDataParallel(TwoHeads(), bucket_cap_mb=CAP_MB, static_graph=True, transport=transport)
     compare("static_graph_ignored_output", transport, native, ours, train,
             grad_as_native=lambda: ours.module.b.weight.grad is None and native.module.b.weight.grad is None)
+
+
+@dataclasses.dataclass
+class HeadsOut:
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class DataclassHeads(TwoHeads):
+    def forward(self, x):
+        return HeadsOut(*super().forward(x))
+
+
+def static_graph_dataclass_output(transport):
+    """static_graph=True and a forward returning a @dataclass (a review, 2026-12-06): native's output walk
+    does not look inside it and never reduces the first iteration (each rank steps on its own
+    gradients: the ranks drift apart, silently); portddp reduces every iteration, bitwise as native
+    without static_graph. The ranks' parameters are compared too."""
+    def train(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        for step in range(3):
+            x, y = batch(step, dist.get_rank())
+            out = ddp(x)
+            opt.zero_grad()
+            (nn.functional.mse_loss(out.first, y) + nn.functional.mse_loss(out.second, y)).backward()
+            opt.step()
+    native = NativeDDP(DataclassHeads(), bucket_cap_mb=CAP_MB)
+    ours = DistributedDataParallel(DataclassHeads(), bucket_cap_mb=CAP_MB, static_graph=True, transport=transport)
+
+    def ranks_agree():
+        flat = torch.cat([p.detach().reshape(-1) for p in ours.module.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, flat)
+        return all(torch.equal(everyone[0], other) for other in everyone[1:])
+    compare("static_graph_dataclass_output", transport, native, ours, train, ranks_agree=ranks_agree)
 
 
 class _Cut(torch.autograd.Function):
@@ -743,7 +779,8 @@ def uneven_effective_world(transport):
 SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world, late_hook, builtin_hooks,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
-             script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher]
+             script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
+             static_graph_dataclass_output]
 
 
 def main():
