@@ -178,6 +178,8 @@ def _check(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
             p.error("--or-loopback applies only to an emulated cluster (where none can be made, run on loopback): "
                     "add --hosts H, or drop it -- without --hosts the job runs on loopback anyway")
         return
+    if ns.bind is not None:
+        p.error(f"--bind {ns.bind} applies only without --hosts (each emulated host runs its own ranks): drop --bind")
     from portddp import cluster  # noqa: PLC0415
 
     try:  # (-n too: at least one rank per host)
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
                        "rate at which the gradients' wire time equals the backward compute time (measured first)")
         p.add_argument("--or-loopback", action="store_true", help="with --hosts: where no cluster can be made, "
                        "run on this machine instead (the results say why)")
-        p.add_argument("--bind", choices=("cores", "none"), default="cores",
+        p.add_argument("--bind", choices=("cores", "none"), default=None,
                        help="without --hosts: 'cores' (default) binds each rank to its own share of the "
                        "physical cores (MPICH's mpirun -bind-to user:CPU lists) when the ranks fit; 'none' "
                        "leaves placement to the OS")
@@ -251,7 +253,7 @@ def main(argv=None) -> int:
               "mixed": "comparisons.mixed"}[ns.command]
     if not ({"-h", "--help"} & set(args)):
         _preflight(ns.command, module, args)
-    return _mpirun(ns.ranks, module, args, ns.hosts, ns.link or "1gbit", ns.or_loopback, ns.bind)
+    return _mpirun(ns.ranks, module, args, ns.hosts, ns.link or "1gbit", ns.or_loopback, ns.bind or "cores")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ _USAGE_ERRORS = [
     (["run", "overlap", "--hosts", "2", "--link", "0mbit"],
      "portddp run: error: link rate '0mbit' is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or a "
      "bare 0) for no shaping"),
+    (["run", "overlap", "--hosts", "2", "--bind", "none"],
+     "portddp run: error: --bind none applies only without --hosts (each emulated host runs its own ranks): drop "
+     "--bind"),
     # the module's own options, parsed once here before mpirun (were: an argparse error per rank, after the launch)
     (["run", "overlap", "-n", "2", "--hots", "2"],
      "portddp run overlap [-n N] [--hosts H] [--link RATE] [--]: error: unrecognized arguments: --hots 2"),
