@@ -33,6 +33,8 @@ CASES = {
     "per_rank_init_hooked": r"ValueError: parameter values differ across ranks at the first synchronised step "
                             r"\(rank 1 vs rank 0; this is rank \d\): .* call params = ddp\.broadcast\(params\)",
     "per_rank_init_compiled": r"ValueError: parameter values differ across ranks at the first synchronised step",
+    **{f"one_element_apart_{kind}": r"ValueError: parameter values differ across ranks at the first synchronised "
+       r"step \(rank 1 vs rank 0" for kind in ("hooked", "compiled")},
     **{f"per_rank_init_reduce_{kind}": r"ValueError: parameter values differ across ranks at the first synchronised "
        r"step \(rank 1 vs rank 0; this is rank \d\): .* call params = ddp\.broadcast\(params\)"
        for kind in ("hooked", "compiled")},

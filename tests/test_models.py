@@ -107,7 +107,8 @@ def test_gelu_mlp_twins_agree(dtype, bound):
 @pytest.mark.parametrize("scale", [None, 0.5, 1 / 3])
 def test_copy_scaled_transposes_in_tiles_with_numpys_bits(shape, dtype, scale):
     """portddp.jax packs a leaf stored transposed (Flax kernels in a torch-layout job) in tiles:
-    the same bits as numpy's own copy or multiply, every element written."""
+    the same bits as numpy's own copy or multiply (bfloat16: the product in float32, rounded once),
+    every element written."""
     import ml_dtypes  # noqa: PLC0415
 
     from portddp.jax.layout import copy_scaled  # noqa: PLC0415
@@ -118,6 +119,40 @@ def test_copy_scaled_transposes_in_tiles_with_numpys_bits(shape, dtype, scale):
     copy_scaled(got, leaf.T, scale)  # (1-D and 0-d: .T is the leaf itself)
     if scale is None:
         want[...] = leaf.T
+    elif dtype == "bfloat16":
+        want[...] = (leaf.T.astype(np.float32) * np.float32(scale)).astype(np_dtype)
     else:
         np.multiply(leaf.T, scale, out=want, casting="unsafe")
     assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_gradients_are_divided_as_pytorch_divides_them(dtype):
+    """(A review, 2026-12-06: both JAX strategies multiplied half-type buckets by 1/n rounded to the
+    half type -- bf16(1/3) = 0.33398 -- a +0.2 % bias at n=3 that PyTorch's mul, which multiplies in
+    float32 and rounds once, does not have.) Hooked (copy_scaled) and compiled (psum_buckets, here
+    under vmap as a 3-rank axis) give PyTorch's bits."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import ml_dtypes  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from portddp.buckets import plan_buckets  # noqa: PLC0415
+    from portddp.jax.compiled import psum_buckets  # noqa: PLC0415
+    from portddp.jax.layout import Layout, copy_scaled  # noqa: PLC0415
+
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    grads = np.random.default_rng(3).standard_normal((3, 5000)).astype(np.float32).astype(np_dtype)
+    torch_scaled = (torch.tensor(grads.astype(np.float32)).to(getattr(torch, dtype)) * (1 / 3)).float().numpy()
+    got = np.empty_like(grads)
+    copy_scaled(got, grads, 1 / 3)
+    assert (got.astype(np.float32) == torch_scaled).all()
+    tree = {"g": jnp.asarray(grads[0])}
+    layout = Layout(tree)
+    plan = plan_buckets(layout.specs(tree), 25.0, 1.0)
+    summed = jax.vmap(lambda g: psum_buckets(plan, layout, [g], "ranks", 1 / 3)[0], axis_name="ranks")(
+        jnp.asarray(grads))
+    want = torch_scaled.astype(np_dtype)
+    assert np.asarray(summed[0]).astype(np.float32).tobytes() == np.asarray(
+        jax.vmap(lambda g: jax.lax.psum(g, "ranks"), axis_name="ranks")(jnp.asarray(want))[0]).astype(
+        np.float32).tobytes()

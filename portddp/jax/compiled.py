@@ -60,8 +60,13 @@ def psum_buckets(plan: BucketPlan, layout: Layout, leaves: list, axis_name: str,
     out = list(leaves)
     for bucket in plan.buckets:
         flat = jnp.concatenate([leaves[layout.leaf_of[k]].reshape(-1) for k in bucket.params])
-        # Divide before the sum, as the hooked strategy and PyTorch do.
-        flat = jax.lax.psum(flat * jnp.asarray(inv_world, flat.dtype), axis_name)
+        # Divide before the sum, as the hooked strategy and PyTorch do (half types: the product in
+        # float32, rounded once, as PyTorch's mul -- not by a 1/n rounded to the half type).
+        if jnp.dtype(flat.dtype).itemsize == 2 and jnp.issubdtype(flat.dtype, jnp.floating):
+            scaled = (flat.astype(jnp.float32) * jnp.float32(inv_world)).astype(flat.dtype)
+        else:
+            scaled = flat * jnp.asarray(inv_world, flat.dtype)
+        flat = jax.lax.psum(scaled, axis_name)
         for k, off in zip(bucket.params, bucket.offsets):
             i = layout.leaf_of[k]
             out[i] = flat[off:off + plan.specs[k].numel].reshape(layout.leaf_shapes[i])

@@ -53,6 +53,7 @@ import threading
 import time
 import warnings
 import weakref
+import zlib
 from typing import NamedTuple
 
 import jax
@@ -1259,12 +1260,10 @@ _JOINED_OUTSIDE = ("grad_fn got JOINED as the batch outside a step of ddp.uneven
 _END = object()
 
 
-_SAMPLE = 4096  # values per leaf in the digest: parameters initialised apart differ almost everywhere
-
-
 def _fingerprint(leaves) -> str | None:
-    """A digest of the parameters' values, from at most _SAMPLE evenly spaced values per leaf (one
-    pass over a few KB, not a copy of the model); None if some leaf is not a concrete array in host
+    """A digest of the parameters' values -- every value: a CRC-32 of each leaf's bytes (~0.25 ms per
+    MB, no copy; a sample of values missed ranks that differ in a few elements, a review found),
+    the leaves' CRCs and sizes hashed together; None if some leaf is not a concrete array in host
     memory (a trace, abstract shapes, an accelerator's memory: not compared)."""
     digest = hashlib.blake2b(digest_size=16)
     for leaf in leaves:
@@ -1272,9 +1271,8 @@ def _fingerprint(leaves) -> str | None:
             return None
         if isinstance(leaf, jax.Array) and any(d.platform != "cpu" for d in leaf.devices()):
             return None
-        flat = np.asarray(leaf).reshape(-1)
-        sample = np.ascontiguousarray(flat[::max(1, flat.size // _SAMPLE)])
-        digest.update(sample.view(np.uint8).data)
+        flat = np.ascontiguousarray(np.asarray(leaf)).reshape(-1)
+        digest.update(zlib.crc32(flat.view(np.uint8).data).to_bytes(4, "little") + flat.nbytes.to_bytes(8, "little"))
     return digest.hexdigest()
 
 

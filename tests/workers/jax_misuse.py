@@ -523,6 +523,16 @@ def per_rank_init(strategy, jitted=False):
     return "warned: " + "; ".join(str(w.message) for w in caught if w.category is RuntimeWarning)
 
 
+def one_element_apart(strategy):
+    """(A review, 2026-12-06: the digest sampled 4096 values per leaf, so ranks whose 8192-value
+    leaf differed at one element trained apart silently.) Every value counts now."""
+    params = {**init_params(), "big": jnp.zeros(8192, jnp.float32).at[1].set(float(WORLD.rank))}
+    grad_fn = DistributedDataParallel(params, strategy=strategy).value_and_grad(
+        lambda p, x: loss_fn(p, x) + jnp.sum(p["big"] ** 2))
+    grad_fn(params, batch(0))
+    return "no error"
+
+
 def per_rank_init_reduce(strategy):
     """As per_rank_init, but the ranks only accumulate sync=False steps and then call reduce():
     that reduction is the first synchronised step, refused as grad_fn's."""
@@ -623,6 +633,8 @@ CASES = {
     "per_rank_init_reduce_compiled": lambda: per_rank_init_reduce("compiled"),
     "per_rank_init_compiled": lambda: per_rank_init("compiled"),
     "per_rank_init_jitted": lambda: per_rank_init("hooked", jitted=True),
+    "one_element_apart_hooked": lambda: one_element_apart("hooked"),
+    "one_element_apart_compiled": lambda: one_element_apart("compiled"),
     "broadcast_then_step": broadcast_then_step,
     "numpy_float64_params_hooked": lambda: numpy_float64_params("hooked"),
     "numpy_float64_params_compiled": lambda: numpy_float64_params("compiled"),
