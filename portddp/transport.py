@@ -346,8 +346,14 @@ class MPITransport:
         return self._submit(job, on_done)
 
     def allgather_object(self, obj) -> list:
-        """Every rank's `obj`, in rank order (blocking; small objects only)."""
-        return self._submit(lambda: self.comm.allgather(obj)).wait()
+        """Every rank's `obj`, in rank order (blocking; small objects only), waited for the configured
+        way (PORTDDP_MPI_WAIT; launch.allgather_pickled: not mpi4py's blocking allgather, which polls
+        a core while a peer is late)."""
+        from portddp.launch import allgather_pickled  # noqa: PLC0415
+
+        if self._spin:
+            return self._submit(lambda: self.comm.allgather(obj)).wait()
+        return self._submit(lambda: allgather_pickled(self.comm, obj, self._wait)).wait()
 
     def barrier(self) -> None:
         self._submit(lambda: self.comm.Barrier() if self._spin else self._wait(self.comm.Ibarrier())).wait()
