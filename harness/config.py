@@ -46,7 +46,7 @@ def parse_config(cls, argv=None, description: str | None = None, epilog: str | N
         least, above = f.metadata.get("least"), f.metadata.get("above")
         for value in values[f.name] if isinstance(values[f.name], tuple) else (values[f.name],):
             flag = "--" + f.name.replace("_", "-")
-            if least is not None and value < least:
+            if least is not None and not value >= least:  # (NaN too)
                 parser.error(f"{flag} {value}: pass {least} or more ({f.metadata.get('help', '')})")
             if above is not None and not value > above:
                 parser.error(f"{flag} {value}: pass more than {above} ({f.metadata.get('help', '')})")

@@ -178,8 +178,9 @@ def _check(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
             p.error("--or-loopback applies only to an emulated cluster (where none can be made, run on loopback): "
                     "add --hosts H, or drop it -- without --hosts the job runs on loopback anyway")
         return
-    if ns.bind is not None:
-        p.error(f"--bind {ns.bind} applies only without --hosts (each emulated host runs its own ranks): drop --bind")
+    if ns.bind is not None and not ns.or_loopback:
+        p.error(f"--bind {ns.bind} applies only without --hosts (each emulated host runs its own ranks): drop --bind "
+                "(with --or-loopback it applies where the job falls back to this machine)")
     from portddp import cluster  # noqa: PLC0415
 
     try:  # (-n too: at least one rank per host)

@@ -385,32 +385,50 @@ def allgather_object(obj, *, name: str | None = None) -> list:
     return unpack_named(got, name, w.rank)
 
 
-def wait_sleeping(request, max_pause: float = 1e-3) -> None:
+def _test_then_sleep(request, hold, max_pause: float = 1e-3) -> None:
     """Wait for a nonblocking MPI request without spinning: test it (which drives MPI's progress)
-    and sleep between tests, 20 us at first, doubling up to `max_pause`."""
-    pause = 20e-6
-    while not request.Test():
-        time.sleep(pause)
-        pause = min(pause * 2, max_pause)
+    for 50 us, then sleep between tests, 20 us at first, doubling up to `max_pause`. A
+    KeyboardInterrupt meanwhile goes to `hold` (watchdog.deferred_interrupt), and the wait goes on."""
+    pause, spin_until = 20e-6, time.perf_counter() + 50e-6
+    while True:
+        try:
+            if request.Test():
+                return
+            if time.perf_counter() > spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, max_pause)
+        except KeyboardInterrupt as e:
+            hold(e)
 
 
-def allgather_pickled(comm, obj, wait=wait_sleeping) -> list:
-    """Every rank's `obj` over the MPI communicator `comm`, in rank order, waiting with `wait`.
-    mpi4py's own `comm.allgather(obj)` is a blocking MPI call, which polls a core for as long as a
-    peer is late (6.1 of the 8 CPU seconds a rank waited for a peer busy elsewhere: loading data,
-    writing a checkpoint, compiling): here the sizes, then the pickled bytes, go in two
-    nonblocking allgathers."""
+def allgather_pickled(comm, obj, wait=None) -> list:
+    """Every rank's `obj` over the MPI communicator `comm`, in rank order. mpi4py's own
+    `comm.allgather(obj)` is a blocking MPI call, which polls a core for as long as a peer is late
+    (6.1 of the 8 CPU seconds a rank waited for a peer busy elsewhere: loading data, writing a
+    checkpoint, compiling): here the sizes, then the pickled bytes, go in two nonblocking
+    allgathers, each waited for with `wait(request)` -- by default tests and sleeps on this
+    thread, a Ctrl-C meanwhile raised once both are done (abandoned half-way, the next collective
+    would pair with them on the other ranks)."""
     import pickle  # noqa: PLC0415
 
     import numpy as np  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
 
+    from portddp import watchdog  # noqa: PLC0415
+
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    sizes = np.empty(comm.size, np.int64)
-    wait(comm.Iallgather([np.array([data.size], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T]))
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    everyone = np.empty(int(sizes.sum()), np.uint8)
-    wait(comm.Iallgatherv([data, MPI.BYTE], [everyone, sizes, starts, MPI.BYTE]))
+    with watchdog.deferred_interrupt() as (hold, release):
+        if wait is None:
+            def wait(request):
+                _test_then_sleep(request, hold)
+        # (C ints, as mpi4py's own object allgather sends them: a rank that meets this in mpi4py's
+        # blocking one -- a mistake -- exchanges alike, and unpack_named names the mismatch)
+        sizes = np.empty(comm.size, np.intc)
+        wait(comm.Iallgather([np.array([data.size], np.intc), MPI.INT], [sizes, MPI.INT]))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.intc)
+        everyone = np.empty(int(sizes.sum()), np.uint8)
+        wait(comm.Iallgatherv([data, MPI.BYTE], [everyone, sizes, starts, MPI.BYTE]))
+        release()
     return [pickle.loads(everyone[a:a + n].tobytes()) for a, n in zip(starts, sizes)]
 
 

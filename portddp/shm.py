@@ -147,12 +147,13 @@ class ShmAllreduce:
         self.scratch_bytes = _round(int(scratch_bytes or float(os.environ.get("PORTDDP_SHM_SCRATCH_MB", 16)) * mb))
         self.arena_bytes = _round(int(arena_bytes if arena_bytes is not None
                                       else float(os.environ.get("PORTDDP_SHM_ARENA_MB", 4096)) * mb))
-        # every rank must chunk alike and map its peers' segments whole: the same sizes everywhere
-        sizes = comm.allgather((self.scratch_bytes, self.arena_bytes))
-        if len(set(sizes)) != 1:
-            each = ", ".join(f"rank {r}: {a / mb:g} / {b / mb:g} MB" for r, (a, b) in enumerate(sizes))
-            raise ValueError(f"the shared-memory scratch / arena sizes differ between the ranks ({each}): set "
-                             "PORTDDP_SHM_SCRATCH_MB and PORTDDP_SHM_ARENA_MB alike on every rank, or on none")
+        # every rank must chunk alike (across hosts too), and map its host peers' segments whole
+        scratch = comm.allgather(self.scratch_bytes)
+        arenas = self.node.allgather(self.arena_bytes)
+        if len(set(scratch)) != 1 or len(set(arenas)) != 1:
+            raise ValueError(f"the shared-memory sizes differ between the ranks (scratch, every rank: "
+                             f"{[s / mb for s in scratch]} MB; arena, this host's ranks: {[a / mb for a in arenas]} MB): "
+                             "set PORTDDP_SHM_SCRATCH_MB and PORTDDP_SHM_ARENA_MB alike on every rank, or on none")
         seg = _HEADER + self.scratch_bytes + self.arena_bytes
         self._fd, self._segs = _map_segments(self.node, seg, _HEADER + self.scratch_bytes)
         self._seg_addr = self._segs[self.local_rank].ctypes.data

@@ -53,8 +53,13 @@ def _half_sum_op(np_dtype):
     return _half_ops[key]
 
 
-_AGREED = {  # environment settings every rank must share (their collectives depend on them), with defaults
-    "PORTDDP_MPI_ALLREDUCE": "shm", "PORTDDP_SHM_SCRATCH_MB": "16", "PORTDDP_SHM_ARENA_MB": "4096"}
+_AGREED = {  # environment settings the ranks must share (their collectives depend on them), with defaults:
+    # every rank of the job the first two (which collectives, blocking or not), the scratch size where
+    # the shared-memory all-reduce runs (it chunks by it, across hosts too), the arena within a host
+    # (each rank maps its peers' segments whole)
+    "PORTDDP_MPI_ALLREDUCE": "shm", "PORTDDP_MPI_WAIT": "", "PORTDDP_SHM_SCRATCH_MB": "16",
+    "PORTDDP_SHM_ARENA_MB": "4096"}
+_SHM_ONLY = ("PORTDDP_SHM_SCRATCH_MB", "PORTDDP_SHM_ARENA_MB")
 
 
 def _settings() -> dict:
@@ -69,15 +74,18 @@ def _settings() -> dict:
     return out
 
 
-def _check_settings(every: list[dict], rank: int) -> None:
-    """Refuse, on every rank alike, settings that differ between ranks: naming each rank's value."""
-    for name in _AGREED:
+def _check_settings(every: list[dict], rank: int, names, ranks=None) -> None:
+    """Refuse, on every rank alike, settings `names` that differ between the ranks (`every` holds
+    each rank's, in rank order; `ranks`: their ranks, if not 0..n-1), naming each rank's value."""
+    ranks = list(range(len(every))) if ranks is None else ranks
+    for name in names:
         values = [s.get(name) for s in every]
         if len(set(map(repr, values))) > 1:
             each = ", ".join(f"rank {r}: {v:g}" if isinstance(v, float) else f"rank {r}: {v!r}"
-                             for r, v in enumerate(values))
+                             for r, v in zip(ranks, values))
+            default = _AGREED[name] or "unset"
             raise ValueError(f"{name} differs between the ranks ({each}; this is rank {rank}): set it alike on "
-                             f"every rank, or on none (default {_AGREED[name]})")
+                             f"every rank, or on none (default {default})")
 
 
 def _check_contiguous(buf: np.ndarray) -> None:
@@ -201,9 +209,13 @@ class MPITransport:
         self._shm = None
         self._warned_full = False
         facts = self.comm.allgather((self.local_size, _settings()))
-        _check_settings([f[1] for f in facts], self.rank)  # (before the shared-memory set-up's own collectives)
+        # (before the shared-memory set-up's own collectives, which differing settings would mismatch)
+        _check_settings([f[1] for f in facts], self.rank, [n for n in _AGREED if n not in _SHM_ONLY])
         sizes = {f[0] for f in facts}
         if self.allreduce_impl == "shm" and self.local_size > 1 and len(sizes) == 1:
+            _check_settings([f[1] for f in facts], self.rank, ["PORTDDP_SHM_SCRATCH_MB"])
+            mine = self.node.allgather((self.rank, _settings()))
+            _check_settings([m[1] for m in mine], self.rank, ["PORTDDP_SHM_ARENA_MB"], [m[0] for m in mine])
             self._shm = ShmAllreduce(self.comm, self.node, wait=self._complete, half_op=_half_sum_op)
         else:
             self.allreduce_impl = "mpi"

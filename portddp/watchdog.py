@@ -57,8 +57,9 @@ SIGTERM). A SIGTERM handler of the script's own, installed after
 `portddp.init()`, takes precedence. SIGINT (Ctrl-C) raises KeyboardInterrupt
 as in any script, but a main thread blocked in a collective would raise it
 only once the collective ends (that is, when the peer it waits for comes):
-one still waiting a second after the signal exits 130 the same way, naming
-the collective, unless the script installed a SIGINT handler of its own.
+a Ctrl-C not delivered a second later, with the main thread waiting for a
+collective (not in a compiled step, which ends by itself), exits 130 the same
+way, naming the collective -- unless the script has a SIGINT handler of its own.
 
 Knobs: `portddp.init(watchdog=False)` or PORTDDP_WATCHDOG=0 turns it off;
 PORTDDP_WATCHDOG_S (default 0.25 s) is how often the launcher is checked. A
@@ -317,6 +318,48 @@ def listen(host: str) -> tuple[socket.socket, tuple]:
     return server, (host, server.getsockname()[1], socket.gethostname(), os.getpid())
 
 
+class _Interrupts:
+    """Ctrl-Cs: how many the wakeup fd announced (watchdog thread), how many reached the main
+    thread's Python code as KeyboardInterrupt (_on_sigint, minus those a collective's wait holds
+    back until it completes: deferred_interrupt)."""
+
+    received = 0
+    delivered = 0
+
+
+_SIGINT = _Interrupts()
+
+
+def _on_sigint(signum, frame):
+    """Python's own SIGINT handler (KeyboardInterrupt), counting what it delivers."""
+    _SIGINT.delivered += 1
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def deferred_interrupt():
+    """Around a wait for a nonblocking collective on the main thread: a KeyboardInterrupt raised
+    inside is held back until the collective completes (abandoned half-way, the next collective
+    would pair with it on the other ranks), then raised. While held back it counts as not
+    delivered, so a wait that does not complete within a second ends the rank (exit 130) as a
+    blocking wait would. Yields a function that raises the held one, if any -- call it when the
+    collective is done."""
+    held: list[BaseException] = []
+
+    def hold(e: BaseException) -> None:
+        if not held and signal.getsignal(signal.SIGINT) is _on_sigint:
+            _SIGINT.delivered -= 1
+        held.append(e)
+
+    def release() -> None:
+        if held:
+            if signal.getsignal(signal.SIGINT) is _on_sigint:
+                _SIGINT.delivered += 1
+            raise held[0]
+
+    yield hold, release
+
+
 class Watchdog:
     def __init__(self, rank: int, server: socket.socket, peers: list[tuple], interval_s: float,
                  connect_timeout_s: float = 60.0, stall_s: float = 0.0):
@@ -377,16 +420,18 @@ class Watchdog:
 
     # --------------------------------------------------------------------- SIGTERM
     def install_signal_handler(self) -> None:
-        """(Main thread.) Catch SIGTERM, unless the script has a handler of its own, and have it wake
-        this thread: a main thread blocked in a collective never runs a Python signal handler.
-        Called again after jax.distributed starts (its preemption notifier takes SIGTERM)."""
+        """(Main thread.) Catch SIGTERM, unless the script has a handler of its own; count Ctrl-Cs
+        (SIGINT) as Python's own handler delivers them, unless the script has a handler of its own;
+        and have either signal wake this thread: a main thread blocked in a collective never runs a
+        Python signal handler. Called again after jax.distributed starts (its preemption notifier
+        takes SIGTERM)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        current = signal.getsignal(signal.SIGTERM)
-        if current not in (signal.SIG_DFL, None, self._on_sigterm):
-            return
         try:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None, self._on_sigterm):
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+            if signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _on_sigint):
+                signal.signal(signal.SIGINT, _on_sigint)
             old = signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
         except (ValueError, OSError):
             return
@@ -412,21 +457,23 @@ class Watchdog:
             return
         if signal.SIGTERM in data and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             self._exit(f"{self._who(self.rank)} received SIGTERM", code=128 + signal.SIGTERM)
-        if signal.SIGINT in data and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._sigint_at = time.monotonic()
+        if signal.SIGINT in data and signal.getsignal(signal.SIGINT) is _on_sigint:
+            _SIGINT.received += data.count(signal.SIGINT)
+            if self._sigint_at is None:
+                self._sigint_at = time.monotonic()
 
     def _check_sigint(self) -> None:
         """A Ctrl-C arrived: Python raises KeyboardInterrupt in the main thread when that thread next
         runs Python code, which a thread blocked in a collective does only when the collective ends
-        -- at once if a peer is merely late, never if it is hung. Still blocked in a wait that began
-        before the signal, a second later: exit 130 as Ctrl-C would, telling the others."""
-        at, p = self._sigint_at, _PROGRESS
-        since = p.waiting_since
-        if since is None or since > at:  # not blocked (or a newer wait): KeyboardInterrupt has its way
-            if time.monotonic() - at > 5:
-                self._sigint_at = None
+        -- at once if a peer is merely late, never if it is hung. Not delivered a second later, with
+        the main thread waiting for a collective (not inside a compiled step, which computes and
+        ends by itself): exit 130 as Ctrl-C would, telling the others."""
+        if _SIGINT.delivered >= _SIGINT.received:  # KeyboardInterrupt had its way
+            self._sigint_at = None
             return
-        if time.monotonic() - at >= 1.0:
+        p = _PROGRESS
+        if (time.monotonic() - self._sigint_at >= 1.0 and p.waiting_since is not None
+                and not p.waiting_computes):
             self._exit(f"{self._who(self.rank)} received SIGINT (Ctrl-C) while waiting in {p.waiting_for!r}",
                        code=128 + signal.SIGINT)
 
@@ -822,6 +869,8 @@ def _forget_in_child() -> None:
         if signal.getsignal(signal.SIGTERM) == w._on_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
+        if signal.getsignal(signal.SIGINT) is _on_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     except (ValueError, OSError):
         pass
 

@@ -62,7 +62,7 @@ _USAGE_ERRORS = [
      "bare 0) for no shaping"),
     (["run", "overlap", "--hosts", "2", "--bind", "none"],
      "portddp run: error: --bind none applies only without --hosts (each emulated host runs its own ranks): drop "
-     "--bind"),
+     "--bind (with --or-loopback it applies where the job falls back to this machine)"),
     # the module's own options, parsed once here before mpirun (were: an argparse error per rank, after the launch)
     (["run", "overlap", "-n", "2", "--hots", "2"],
      "portddp run overlap [-n N] [--hosts H] [--link RATE] [--]: error: unrecognized arguments: --hots 2"),

@@ -172,6 +172,7 @@ def test_a_row_records_the_events_of_its_median_iteration():
     ("experiments.no_sync", ["--every", "2", "0"], "--every 0: pass 1 or more (micro-batches per sync)"),
     ("experiments.overlap", ["--batch", "0"], "--batch 0: pass 1 or more"),
     ("experiments.overlap", ["--lr", "-0.5"], "--lr -0.5: pass 0 or more"),
+    ("experiments.overlap", ["--lr", "nan"], "--lr nan: pass 0 or more"),
     ("comparisons.equivalence", ["--steps", "0"], "--steps 0: pass 1 or more (optimizer steps)"),
     ("comparisons.equivalence", ["--global-batch", "0"], "--global-batch 0: pass 1 or more"),
     ("comparisons.equivalence", ["--bucket-cap-mb", "-1"], "--bucket-cap-mb -1.0: pass more than 0"),

@@ -69,6 +69,7 @@ def test_waiting_for_a_late_peer_does_not_spin(impl):
     ("PORTDDP_SHM_ARENA_MB=0.001", "PORTDDP_SHM_ARENA_MB differs between the ranks (rank 0: 4096, rank 1: 0.001"),
     ("PORTDDP_SHM_SCRATCH_MB=8", "PORTDDP_SHM_SCRATCH_MB differs between the ranks (rank 0: 16, rank 1: 8"),
     ("PORTDDP_WATCHDOG=0", "the watchdog is on for some ranks only: set PORTDDP_WATCHDOG"),
+    ("PORTDDP_MPI_WAIT=spin", "PORTDDP_MPI_WAIT differs between the ranks (rank 0: '', rank 1: 'spin'"),
 ])
 def test_a_setting_that_differs_between_ranks_is_named_on_every_rank(setting, message):
     """(Were: `unhashable type: 'list'` -- one rank's shared-memory set-up paired with the other's
@@ -118,3 +119,11 @@ for name, gather in (("transport", t.allgather_object), ("launch", lambda o: lau
     assert {name for name, _ in waited} == {"transport", "launch"}, proc.stdout
     for name, cpu in waited:  # rank 0 waited ~3 s; spinning would burn ~2-3 s of it
         assert float(cpu) < 0.6, (name, cpu)
+
+
+def test_shared_memory_sizes_need_not_agree_where_no_shared_memory_is_used():
+    """(The check of 2026-12-06 first refused an arena size set on one rank of a job on MPI's own
+    all-reduce, where no segment is mapped.)"""
+    proc = mpi.run(2, "tests.workers.env_mismatch", "1:PORTDDP_SHM_ARENA_MB=1024", timeout=120,
+                   env={"PORTDDP_MPI_ALLREDUCE": "mpi"})
+    assert proc.returncode == 0 and proc.stdout.count("stepped") == 2, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -8,6 +8,7 @@ Two processes of torch.multiprocessing, loopback only (tests/test_torch_misuse.p
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -29,9 +30,9 @@ def worker(rank: int, ports: tuple[str, str]) -> None:
         with dist_autograd.context() as cid:
             try:
                 dist_autograd.backward(cid, [model(torch.ones(3, 4)).sum()])
-                print(f"PORTDDP_NO_ERROR rank={rank}", flush=True)
-            except NotImplementedError as e:
-                print(f"PORTDDP_ERROR rank={rank} {type(e).__name__}: {e}", flush=True)
+                os.write(1, f"PORTDDP_NO_ERROR rank={rank}\n".encode())
+            except NotImplementedError as e:  # (one write per line: the two processes share stdout)
+                os.write(1, f"PORTDDP_ERROR rank={rank} {type(e).__name__}: {e}\n".encode())
     finally:
         rpc.shutdown()
         dist.destroy_process_group()
