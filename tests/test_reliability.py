@@ -163,6 +163,29 @@ def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_it_at_once(impl, launche
     assert_no_orphans([int((tmp_path / f"pid.{r}").read_text()) for r in range(3)])
 
 
+def test_a_ctrl_c_the_script_catches_lets_it_save_through_a_collective(tmp_path):
+    """(A review of the above: the watchdog read the signal after the main thread had already caught
+    it and entered the save's collective, and ended the rank there.) Delivered as KeyboardInterrupt
+    while computing and caught: the script's collective save completes on both ranks."""
+    proc = subprocess.Popen([mpi.mpirun_path(), "-n", "2", sys.executable, "-m", "tests.workers.stall", "caught",
+                             str(tmp_path)], cwd=mpi.ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"pid.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        time.sleep(1)
+        os.kill(int((tmp_path / "pid.0").read_text()), signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    assert "rank 0 interrupted; saving" in output and output.count("saved [0, 1]") == 2, output[-3000:]
+
+
 @pytest.mark.parametrize("impl", ("torch-c10d", "torch-mpi"))
 def test_without_portddp_init_a_rank_that_raises_still_stops_the_others_naming_it(impl, tmp_path):
     """A drop-in script never calls portddp.init() (torchrun-style: its own init_process_group; or

@@ -10,6 +10,8 @@ mismatch  the ranks meet in one MPI allgather under different names (no stall: t
 sigterm   JAX-distributed ranks that loop in collectives until SIGTERMed (the test sends it)
 compiled  portddp.jax strategy="compiled": rank 1 sleeps 10 s before its third step while the
           others are already inside theirs (one XLA program, computing and then waiting)
+caught    rank 0 computes until Ctrl-C (the test sends it), catches KeyboardInterrupt and saves
+          through a collective that rank 1 joins 4 s later: both must finish
 
 The collectives are driven through portddp.launch.allgather_object (instrumented) and
 portddp.watchdog.collective/waiting directly.
@@ -56,6 +58,17 @@ def main() -> None:
         except RuntimeError as e:
             Path(sys.argv[2], f"error.{WORLD.rank}").write_text(str(e))  # mpirun may interleave printed lines
             return
+    elif CASE == "caught":
+        started = time.monotonic()
+        try:
+            while WORLD.rank == 0 and time.monotonic() - started < 60:
+                sum(range(1000))  # Python code: the KeyboardInterrupt is delivered here
+        except KeyboardInterrupt:
+            print("rank 0 interrupted; saving", flush=True)
+        if WORLD.rank == 1:
+            time.sleep(4)
+        saved = launch.allgather_object(WORLD.rank, name="save")
+        print(f"rank {WORLD.rank} saved {saved}", flush=True)
     elif CASE == "sigterm":
         import jax.numpy as jnp  # noqa: PLC0415
 
