@@ -213,8 +213,11 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
         return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
 
     waited = max(live[r]["waiting"] for r in stalled)
-    head = (f"stall: {ranks(stalled)} waited {waited:.1f} s (over PORTDDP_STALL_S={stall_s:g}) for a collective "
-            "that never completed; ")
+    # (every rank that waits, also one that started its wait a moment after the first: the ranks leave
+    # the collective before it at slightly different times)
+    waiting = sorted(r for r, s in live.items() if s["waiting"] is not None)
+    head = (f"stall: {ranks(waiting)} waited {'up to ' if len(waiting) > 1 else ''}{waited:.1f} s (over "
+            f"PORTDDP_STALL_S={stall_s:g}) for a collective that never completed; ")
     # The first collective whose name differs across the ranks that issued it (a desync), within
     # what every rank remembers.
     low = max([min(n) for n in names.values() if n] or [1])

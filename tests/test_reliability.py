@@ -163,18 +163,25 @@ def test_ctrl_c_on_a_rank_blocked_in_a_collective_stops_it_at_once(impl, launche
     assert_no_orphans([int((tmp_path / f"pid.{r}").read_text()) for r in range(3)])
 
 
+def _stall_job(case: str, out: Path) -> subprocess.Popen:
+    """`mpirun -n 2 python -m tests.workers.stall <case> <out>`, returned once both ranks wrote their pid."""
+    proc = subprocess.Popen([mpi.mpirun_path(), "-n", "2", sys.executable, "-m", "tests.workers.stall", case,
+                             str(out)], cwd=mpi.ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not all((out / f"pid.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(proc.communicate()[0][-3000:])
+        time.sleep(0.1)
+    return proc
+
+
 def test_a_ctrl_c_the_script_catches_lets_it_save_through_a_collective(tmp_path):
     """(A review of the above: the watchdog read the signal after the main thread had already caught
     it and entered the save's collective, and ended the rank there.) Delivered as KeyboardInterrupt
     while computing and caught: the script's collective save completes on both ranks."""
-    proc = subprocess.Popen([mpi.mpirun_path(), "-n", "2", sys.executable, "-m", "tests.workers.stall", "caught",
-                             str(tmp_path)], cwd=mpi.ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _stall_job("caught", tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"pid.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            time.sleep(0.1)
         time.sleep(1)
         os.kill(int((tmp_path / "pid.0").read_text()), signal.SIGINT)
         output, _ = proc.communicate(timeout=60)
@@ -312,7 +319,7 @@ def test_stalls_and_mismatched_collectives_stop_every_rank_naming_who_is_where(c
     assert "finished" not in proc.stdout, output[-4000:]
     if case == "late":
         assert elapsed < 30, elapsed  # ~2 s of stall + start-up; rank 1 alone would sleep 10 s
-        _rank_lines(output, n, r"stall: ranks 0, 2 waited \d+\.\d s \(over PORTDDP_STALL_S=2\).*rank 1 is behind: "
+        _rank_lines(output, n, r"stall: ranks 0, 2 waited up to \d+\.\d s \(over PORTDDP_STALL_S=2\).*rank 1 is behind: "
                                r"rank 1's last collective is #2 'iteration 1 config'.*ranks 0, 2 are in #3 "
                                r"'iteration 2 unused-count'")
         assert len(re.findall(r"\n  1 +pid \d+ on .* 2 +#2 .iteration 1 config. +computing for \d+\.\d s <- behind", output)) == n, \
@@ -335,6 +342,15 @@ def _state(rank, seq, waiting, computes=False, name="iteration 3: compiled step"
             "in_iteration": True}
 
 
+def test_the_stall_headline_names_every_waiting_rank_also_one_just_under_the_limit():
+    """(A flake: the ranks leave the collective before the stalled one a moment apart, and one that
+    began waiting 10 ms after the first was left out of the headline its own table listed.)"""
+    states = {0: _state(0, 3, 2.01, name="iteration 2: unused-count"), 1: _state(1, 2, None, name="config"),
+              2: _state(2, 3, 1.99, name="iteration 2: unused-count")}
+    head = watchdog.stall_report(states, 2.0).splitlines()[0]
+    assert head.startswith("stall: ranks 0, 2 waited up to 2.0 s (over PORTDDP_STALL_S=2)") and "rank 1 is behind" in head
+
+
 def test_a_long_compiled_step_on_every_rank_is_not_a_stall_but_a_rank_behind_it_is():
     """portddp.jax's compiled step computes inside the wait: every rank in the same one for longer
     than PORTDDP_STALL_S is a long step; a rank that has not entered it is behind; a plain collective
@@ -355,14 +371,8 @@ def test_a_long_compiled_step_on_every_rank_is_not_a_stall_but_a_rank_behind_it_
 def test_sigterm_stops_a_jax_distributed_job_within_seconds(target, tmp_path):
     """jax.distributed's preemption notifier used to swallow SIGTERM (a job ran 189 s past it): now a
     SIGTERM to one rank, or to mpirun (which forwards it), ends every rank within seconds, naming it."""
-    proc = subprocess.Popen([mpi.mpirun_path(), "-n", "2", sys.executable, "-m", "tests.workers.stall", "sigterm",
-                             str(tmp_path)], cwd=mpi.ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = _stall_job("sigterm", tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"pid.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            time.sleep(0.1)
         time.sleep(2)  # inside the loop of collectives, past jax.distributed's start
         os.kill(int((tmp_path / "pid.1").read_text()) if target == "rank" else proc.pid, signal.SIGTERM)
         sent = time.monotonic()
