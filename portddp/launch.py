@@ -385,11 +385,11 @@ def allgather_object(obj, *, name: str | None = None) -> list:
     return unpack_named(got, name, w.rank)
 
 
-def _test_then_sleep(request, hold, max_pause: float = 1e-3) -> None:
+def test_then_sleep(request, max_pause: float = 1e-3, spin_s: float = 0.0, hold=None) -> None:
     """Wait for a nonblocking MPI request without spinning: test it (which drives MPI's progress)
-    for 50 us, then sleep between tests, 20 us at first, doubling up to `max_pause`. A
-    KeyboardInterrupt meanwhile goes to `hold` (watchdog.deferred_interrupt), and the wait goes on."""
-    pause, spin_until = 20e-6, time.perf_counter() + 50e-6
+    for `spin_s`, then sleep between tests, 20 us at first, doubling up to `max_pause`. With `hold`
+    (watchdog.deferred_interrupt's), a KeyboardInterrupt meanwhile goes to it and the wait goes on."""
+    pause, spin_until = 20e-6, time.perf_counter() + spin_s
     while True:
         try:
             if request.Test():
@@ -398,6 +398,8 @@ def _test_then_sleep(request, hold, max_pause: float = 1e-3) -> None:
                 time.sleep(pause)
                 pause = min(pause * 2, max_pause)
         except KeyboardInterrupt as e:
+            if hold is None:
+                raise
             hold(e)
 
 
@@ -420,7 +422,7 @@ def allgather_pickled(comm, obj, wait=None) -> list:
     with watchdog.deferred_interrupt() as (hold, release):
         if wait is None:
             def wait(request):
-                _test_then_sleep(request, hold)
+                test_then_sleep(request, spin_s=50e-6, hold=hold)
         # (C ints, as mpi4py's own object allgather sends them: a rank that meets this in mpi4py's
         # blocking one -- a mistake -- exchanges alike, and unpack_named names the mismatch)
         sizes = np.empty(comm.size, np.intc)

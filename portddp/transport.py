@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from portddp.launch import allgather_pickled, test_then_sleep
 from portddp.shm import is_half, scatter_into
 
 __all__ = ["Handle", "MPITransport", "get_transport"]
@@ -339,10 +340,7 @@ class MPITransport:
         progress), and sleep between tests, 20 us at first, doubling up to PORTDDP_MPI_POLL_US.
         A blocking MPICH collective polls a full core while it waits; on cores that also compute
         (or with more ranks than cores) that is taken from the backward pass it should overlap."""
-        pause = 20e-6
-        while not request.Test():
-            time.sleep(pause)
-            pause = min(pause * 2, self._max_pause)
+        test_then_sleep(request, self._max_pause)
 
     def broadcast(self, buf: np.ndarray, root: int = 0, on_done=None) -> Handle:
         """Overwrite `buf` with rank `root`'s values, in place. Returns at once."""
@@ -361,8 +359,6 @@ class MPITransport:
         """Every rank's `obj`, in rank order (blocking; small objects only), waited for the configured
         way (PORTDDP_MPI_WAIT; launch.allgather_pickled: not mpi4py's blocking allgather, which polls
         a core while a peer is late)."""
-        from portddp.launch import allgather_pickled  # noqa: PLC0415
-
         if self._spin:
             return self._submit(lambda: self.comm.allgather(obj)).wait()
         return self._submit(lambda: allgather_pickled(self.comm, obj, self._wait)).wait()
