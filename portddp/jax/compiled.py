@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from portddp.buckets import BucketPlan
 from portddp.jax.layout import Layout
+from portddp.shm import is_half
 
 __all__ = ["DATA_AXIS", "Step", "hlo_facts", "make_reduce", "make_step", "pmap_world", "psum_buckets"]
 
@@ -62,7 +63,7 @@ def psum_buckets(plan: BucketPlan, layout: Layout, leaves: list, axis_name: str,
         flat = jnp.concatenate([leaves[layout.leaf_of[k]].reshape(-1) for k in bucket.params])
         # Divide before the sum, as the hooked strategy and PyTorch do (half types: the product in
         # float32, rounded once, as PyTorch's mul -- not by a 1/n rounded to the half type).
-        if jnp.dtype(flat.dtype).itemsize == 2 and jnp.issubdtype(flat.dtype, jnp.floating):
+        if is_half(np.dtype(flat.dtype)):
             scaled = (flat.astype(jnp.float32) * jnp.float32(inv_world)).astype(flat.dtype)
         else:
             scaled = flat * jnp.asarray(inv_world, flat.dtype)
