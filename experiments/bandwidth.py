@@ -20,23 +20,27 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.overlap import Config as OverlapConfig
 from harness.calibrate import matched_rate, run_overlap
+from harness.config import parse_config
 from harness.results import write_result
 from portddp import cluster
 
 DEFAULT_RATES = ("250mbit", "500mbit", "1gbit", "2gbit", "5gbit", "unlimited")
 
 
-def check(ns) -> None:
+def check(ns, extra: list[str]) -> None:
     """Refuse the job and every rate before the first cluster is made, in one line naming the value
     and the fix: a typo in the last of six rates would otherwise end the sweep after the others ran."""
     try:
         cluster.check_job(ns.ranks, ns.hosts)
         for rate in ns.rates:
             if rate != "matched":
-                cluster.parse_rate(rate)
+                cluster.check_rate(rate)
     except ValueError as e:
         raise SystemExit(f"experiments.bandwidth: {e}") from None
+    # The overlap experiment's own options, once, here: a typo is refused before the first cluster.
+    parse_config(OverlapConfig, extra, prog="python -m experiments.bandwidth ... --")
 
 
 def main(argv=None) -> int:
@@ -61,8 +65,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default="results", help="where the merged JSON goes (default: results; "
                         "each run's own under OUT_DIR/bandwidth)")
     ns = parser.parse_args(argv)
-    check(ns)
+    check(ns, extra)
     cluster.require_root()
+    try:
+        return sweep(ns, extra)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP inside a run's cluster (which was removed)
+        print("experiments.bandwidth: interrupted; the cluster of the run under way was removed", file=sys.stderr,
+              flush=True)
+        return getattr(e, "exit_code", 130)
+
+
+def sweep(ns, extra: list[str]) -> int:
     runs, calibration = [], None
     started = time.time()
     for k, rate in enumerate(ns.rates, start=1):

@@ -42,6 +42,10 @@ def grid_runs(rates, caps, hosts_list, out: Path, extra: list[str], reuse: bool)
 
     runs = []
     points = [(h, r, c) for h in hosts_list for r in rates for c in caps]
+    saved = [out / f"cap{c:g}" / f"overlap-n{h}-h{h}-{r}.json" for h, r, c in points]
+    if reuse and not any(p.exists() for p in saved):
+        raise SystemExit(f"simulate_validate: --reuse found no saved grid run under {out} (e.g. {saved[0]}): pass the "
+                         "--out-dir of an earlier validation, or leave out --reuse to measure the grid (~13 min)")
     started = time.time()
     for k, (hosts, rate, cap) in enumerate(points, start=1):
         run_dir = out / f"cap{cap:g}"
@@ -100,7 +104,8 @@ def check(ns) -> None:
 
     try:
         for rate in ns.rates:
-            cluster.parse_rate(rate)
+            cluster.check_rate(rate)
+        ns.rates = [cluster.rate_name(rate) for rate in ns.rates]  # (as the runs' file names spell them)
         for hosts in ns.hosts:
             cluster.check_job(hosts, hosts)  # (one rank per host)
     except ValueError as e:

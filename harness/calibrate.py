@@ -7,6 +7,7 @@ wire as the backward pass computes (`portddp run overlap --hosts 2 --link matche
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -24,13 +25,14 @@ def run_overlap(n: int, hosts: int, link: str, out_dir: str, extra: list[str]) -
     code = cluster.run(n, hosts, link, [sys.executable, "-m", "experiments.overlap", *extra, "--out-dir", out_dir])
     if code != 0:
         raise SystemExit(f"the overlap experiment failed on a {hosts}-host cluster at {link} (exit {code})")
-    return json.loads((Path(out_dir) / f"overlap-n{n}-h{hosts}-{link}.json").read_text())
+    return json.loads((Path(out_dir) / f"overlap-n{n}-h{hosts}-{cluster.rate_name(link)}.json").read_text())
 
 
 def matched_rate(n: int, hosts: int, extra: list[str]) -> tuple[str, dict]:
     """One short calibration run on an unshaped link measures the backward compute time and the
     bytes a host sends per step; the rate is their ratio (rounded to 10 Mbit/s)."""
-    with tempfile.TemporaryDirectory(prefix="portddp-calibrate-") as tmp:
+    # (the pid in its name: after a kill -9, the next cluster's start removes it -- cluster.cleanup_stale)
+    with tempfile.TemporaryDirectory(prefix=f"{cluster.CALIBRATE_DIR}{os.getpid()}-") as tmp:
         payload = run_overlap(n, hosts, "unlimited", tmp, [*extra, "--impls", "torch-c10d", "--rounds", "2",
                                                            "--steps-per-round", "3"])
     row = next(r for r in payload["rows"] if r["label"] == "torch-c10d (no overlap)")

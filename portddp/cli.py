@@ -110,10 +110,10 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
         if link == "matched":
             try:
                 link, _ = importlib.import_module("harness.calibrate").matched_rate(n, hosts, args)
-            except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM inside a calibration cluster: it was removed)
+            except KeyboardInterrupt as e:  # (Ctrl-C, or SIGTERM/SIGHUP inside a calibration cluster: it was removed)
                 print("portddp: interrupted while measuring the matched link rate; nothing is left behind",
                       file=sys.stderr, flush=True)
-                return 130
+                return getattr(e, "exit_code", 130)
 
         print(f"$ portddp cluster -n {n} --hosts {hosts} --link {link} -- python -m {module} {' '.join(args)}",
               flush=True)

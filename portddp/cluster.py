@@ -62,6 +62,11 @@ MAX_HOSTS = 250
 LAUNCHER_DIR = "portddp-cluster-"
 """A job's launcher directory (hydra's `to-host`) is <tempdir>/portddp-cluster-<launcher pid>-XXXXXXXX: stale
 ones are found by it."""
+CALIBRATE_DIR = "portddp-calibrate-"
+"""The matched rate's calibration run writes into <tempdir>/portddp-calibrate-<pid>-XXXXXXXX (harness.calibrate)."""
+MIN_RATE = 1e6
+"""bits/s: the slowest link a cluster is made with."""
+BURST_MS = float(os.environ.get("PORTDDP_CLUSTER_BURST_MS", 4.0))
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -91,6 +96,26 @@ def parse_rate(rate: str) -> float | None:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+def rate_name(rate: str) -> str:
+    """A rate's one spelling, for file names and labels: '10 Gbit/s' and '10G' -> '10gbit', '0' -> 'unlimited'
+    (parse_rate's checks first: a rate it refuses is refused here, with its message)."""
+    if parse_rate(rate) is None:
+        return "unlimited"
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)", str(rate).strip().lower().removesuffix("/s").removesuffix("bit"))
+    return f"{float(m.group(1)):g}{m.group(2)}bit"
+
+
+def check_rate(rate: str) -> float | None:
+    """parse_rate, and refuse what the emulation cannot shape faithfully (bits/s; None: unshaped)."""
+    bps = parse_rate(rate)
+    if bps is not None and bps < MIN_RATE:
+        frames_ms = burst_bytes(MIN_RATE) * 8 / MIN_RATE * 1e3
+        raise ValueError(f"link rate {rate!r} is below {MIN_RATE / 1e6:g} Mbit/s, the slowest link the emulated cluster "
+                         f"shapes (tbf's token bucket holds at least four full frames, {frames_ms:.0f} ms of traffic "
+                         f"at {MIN_RATE / 1e6:g} Mbit/s, which pass unshaped): pass {MIN_RATE / 1e6:g}mbit or more")
+    return bps
+
+
 def check_job(n: int, hosts: int, link: str | None = None) -> None:
     """Refuse, with a ValueError naming the value and the fix, a job no cluster can run: called
     before anything is made, so that a typo costs no namespaces (and no traceback from main).
@@ -103,11 +128,21 @@ def check_job(n: int, hosts: int, link: str | None = None) -> None:
     if n % hosts:
         raise ValueError(f"-n {n} ranks do not spread evenly over {hosts} hosts: pass a multiple of {hosts}")
     if link is not None:
-        parse_rate(link)
+        check_rate(link)
+
+
+def burst_bytes(bits_per_s: float, mtu: int = 1500) -> int:
+    """tbf's token bucket: what a link may send at full speed after an idle spell.
+
+    BURST_MS of traffic at the rate (a timer tick at HZ=250: a bucket of 1 ms lost its tokens whenever
+    the sender waited for a core, and a loaded 2-core machine carried 411 Mbit/s on a 500 Mbit/s link),
+    and at least four full frames. Until 2026-12-06 it was 256 KiB at least, so that below ~500 Mbit/s
+    a message of that size crossed at full speed (64 KiB over 1 Mbit/s in 16 ms, not 524)."""
+    return max(int(bits_per_s / 8 * BURST_MS / 1e3), 4 * (mtu + 18))
 
 
 def _tc_rate(bits_per_s: float) -> str:
-    return f"{int(bits_per_s / 1e3)}kbit"
+    return f"{int(bits_per_s)}bit"
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -172,6 +207,12 @@ def cleanup_stale() -> list[str]:
         else:
             _run("ip", "link", "del", name, check=False)
         removed.append(name)
+    # /etc/netns entries left without their namespace (a teardown cut short)
+    for entry in sorted(NETNS_ETC.glob(f"{PREFIX}*")) if NETNS_ETC.is_dir() else []:
+        m = re.fullmatch(rf"{PREFIX}(\d+)h\d+", entry.name)
+        if m and entry.is_dir() and not entry.is_symlink() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(str(entry))
     return removed + _cleanup_stale_dirs()
 
 
@@ -183,6 +224,12 @@ def _cleanup_stale_dirs() -> list[str]:
     owner cannot be told is left alone, as is every one whose owner still runs, and (in a shared /tmp)
     every one another user made."""
     removed = []
+    for path in sorted(Path(tempfile.gettempdir()).glob(CALIBRATE_DIR + "*")):  # (its pid in its name, nothing else)
+        named = re.fullmatch(rf"{re.escape(CALIBRATE_DIR)}(\d+)-[a-z0-9_]{{8}}", path.name)
+        if (named and path.is_dir() and not path.is_symlink() and path.lstat().st_uid == os.geteuid()
+                and not pid_alive(int(named.group(1)))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
     for path in sorted(Path(tempfile.gettempdir()).glob(LAUNCHER_DIR + "*")):
         # Only what a launcher made: tempfile's name (<pid>- and 8 characters, or the 8 alone before
         # the pid was in it) holding the to-host script that enters that launcher's namespaces.
@@ -220,7 +267,8 @@ class Cluster:
     def __post_init__(self):
         if self.hosts < 1 or self.hosts > MAX_HOSTS:
             raise ValueError(f"hosts={self.hosts}: pass 1 to {MAX_HOSTS} emulated hosts")
-        self.rate = parse_rate(self.link)
+        self.rate = check_rate(self.link)
+        self.link = rate_name(self.link)  # (it names the job's result files: one spelling, no '/' or space)
         self.names = [f"{PREFIX}{self.job}h{h}" for h in range(self.hosts)]
         self.hostnames = [f"h{h}" for h in range(self.hosts)]
         self.addresses = [SUBNET.format(job=self.job % 250, host=h + 1) for h in range(self.hosts)]
@@ -266,23 +314,28 @@ class Cluster:
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             if self.rate is not None:
                 # Both directions: host -> switch on the host's side, switch -> host on the bridge's.
-                # The bucket must hold a whole GSO segment (64 KB) or tbf drops it.
-                burst = max(256 * 1024, int(self.rate / 8 / 250))
+                burst = burst_bytes(self.rate, self.mtu)
                 for where in (("-n", ns, "qdisc", "add", "dev", IFACE), ("qdisc", "add", "dev", uplink)):
                     _run("tc", *where, "root", "tbf", "rate", _tc_rate(self.rate), "burst", str(burst),
                          "latency", "100ms")
 
     def destroy(self) -> None:
+        """Remove everything; a Ctrl-C, SIGTERM or hang-up arriving meanwhile waits until it is done (a
+        second Ctrl-C used to cut the teardown short, leaving the bridge and an /etc/netns entry)."""
         if not self._made:
             return
         t0 = time.perf_counter()
-        for ns in self.names:
-            _kill_inside(ns)
-            _run("ip", "netns", "del", ns, check=False)
-            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
-        for link in [*self.uplinks, self.bridge]:
-            _run("ip", "link", "del", link, check=False)
-        self._made = False
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        try:
+            for ns in self.names:
+                _kill_inside(ns)
+                _run("ip", "netns", "del", ns, check=False)
+                shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+            for link in [*self.uplinks, self.bridge]:
+                _run("ip", "link", "del", link, check=False)
+            self._made = False
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         self.teardown_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ running
@@ -347,24 +400,34 @@ def cluster_info() -> dict | None:
     return json.loads(info) if info else None
 
 
+_STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, handled as Ctrl-C is (the job stopped, the cluster removed), but exit 143, not 130."""
+    """SIGTERM or SIGHUP (a closed terminal, a dropped ssh session), handled as Ctrl-C is (the job
+    stopped, the cluster removed), but exit 128 + the signal (143, 129), not 130."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.exit_code = 128 + signum
 
 
-def _interrupt(*_):
-    raise _Terminated
+def _interrupt(signum, _frame):
+    raise _Terminated(signum)
 
 
 def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = False) -> int:
     """Create the cluster, run `command` on it as an n-rank MPI job, remove everything; the job's exit code.
-    SIGTERM is handled like Ctrl-C: the job is stopped and the cluster removed. A job no cluster can
-    run (check_job) raises ValueError before anything is made."""
+    SIGTERM and SIGHUP are handled like Ctrl-C: the job is stopped and the cluster removed (the job runs
+    in a session of its own, so a closing terminal reaches only the launcher, which must pass it on). A
+    job no cluster can run (check_job) raises ValueError before anything is made."""
     check_job(n, hosts, link)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return _run_job(n, hosts, link, command, quiet)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool) -> int:
@@ -372,7 +435,7 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
     # The launcher's pid in the directory's name: after a kill -9, the next start removes it (cleanup_stale).
     with tempfile.TemporaryDirectory(prefix=f"{LAUNCHER_DIR}{os.getpid()}-") as tmp, Cluster(hosts, link) as cluster:
         say(f"{hosts} host(s) {', '.join(f'{h}={a}' for h, a in zip(cluster.hostnames, cluster.addresses))}, "
-            f"link {link} per direction, {n // hosts} rank(s) per host (set up in {cluster.setup_s:.2f} s)")
+            f"link {cluster.link} per direction, {n // hosts} rank(s) per host (set up in {cluster.setup_s:.2f} s)")
         before = cluster.interface_bytes()
         argv = cluster.mpirun(n, list(command), tmp)
         proc = subprocess.Popen(argv, env={**os.environ, **cluster.env()}, start_new_session=True)
@@ -421,8 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     try:
         return run(ns.ranks, ns.hosts, ns.link, command)
-    except _Terminated:
-        return 143  # (128 + SIGTERM, as a shell reports a job it ended)
+    except _Terminated as e:
+        return e.exit_code  # (128 + the signal, as a shell reports a job it ended)
     except KeyboardInterrupt:
         return 130
 

@@ -168,6 +168,9 @@ class LinkModel:
     host_s_per_byte: float
     rate_bps: float | None = None  # where it was fitted (informative)
     hop_s: float = 0.0
+    # False: every sample sent about as many bytes, so alpha and host_s_per_byte could not be told apart
+    # (any split of the time between them fits alike); host_s_per_byte was then taken as 0 (fit_link).
+    separable: bool = True
 
     def allreduce_s(self, nbytes: float, world: int, rate_bps: float | None) -> float:
         if world <= 1:
@@ -189,8 +192,19 @@ def samples_from_trace(trace: Trace, rate_bps: float | None) -> list[tuple[int, 
     return out
 
 
+SEPARABLE_SPREAD = 1.5
+"""Samples whose bytes sent per host span less than this factor cannot tell a fixed cost per
+all-reduce (alpha) from a per-byte one (host_s_per_byte): fit_link then fits alpha alone."""
+
+
 def fit_link(samples: Sequence[tuple[int, int, float | None, float]]) -> LinkModel:
-    """Least-squares alpha and host_s_per_byte over measured all-reduces (bytes, world, rate, seconds)."""
+    """Least-squares alpha and host_s_per_byte over measured all-reduces (bytes, world, rate, seconds).
+
+    With one size of all-reduce (an iteration whose buckets are all alike, as a model of equal
+    layers gives), t = alpha + max(wire, sent * h) fits every split of the time beyond the wire
+    between alpha and h equally well; which one least squares would return is decided by rounding,
+    and the two extrapolate differently (a host-bound h ignores a faster link). The split is then
+    taken as all alpha (h = 0: the hosts keep up with the wire) and the model says so (`separable`)."""
     if not samples:
         raise ValueError("fit_link needs at least one measured all-reduce")
     b = np.array([s[0] for s in samples], float)
@@ -215,11 +229,14 @@ def fit_link(samples: Sequence[tuple[int, int, float | None, float]]) -> LinkMod
             if err < best[0]:
                 best = (err, (float(coef[0]), float(coef[1]) if several_sizes else 0.0), float(h))
 
-    consider(np.concatenate([[0.0], np.logspace(-12, -6, 241)]))  # coarse, then around the best
-    if best[2] > 0:
-        consider(np.linspace(best[2] / 1.07, best[2] * 1.07, 281))
+    separable = bool(sent.max() > SEPARABLE_SPREAD * sent.min())
+    consider([0.0])
+    if separable:  # coarse, then around the best
+        consider(np.logspace(-12, -6, 241))
+        if best[2] > 0:
+            consider(np.linspace(best[2] / 1.07, best[2] * 1.07, 281))
     rates = {s[2] for s in samples}
-    return LinkModel(best[1][0], best[2], rates.pop() if len(rates) == 1 else None, best[1][1])
+    return LinkModel(best[1][0], best[2], rates.pop() if len(rates) == 1 else None, best[1][1], separable)
 
 
 def fit_contention(on: Trace, off: Trace) -> float:
@@ -457,6 +474,27 @@ def _check_options(ns) -> None:
                 "leave it out to fit it")
 
 
+def _note_fit(result: str, link: LinkModel, samples) -> None:
+    """What the fit could not know, on stderr: all-reduces quicker than the trace's link allows (their bytes
+    did not all cross it at its rate: a token bucket's burst, or traffic that stayed on the host), and a
+    fixed cost that could not be told from a per-byte one."""
+    wire = [(t, 2 * (n - 1) / n * b * 8 / r) for b, n, r, t in samples if r]
+    if wire and (ratio := float(np.median([t / w for t, w in wire]))) < 0.9:
+        print(f"portddp simulate: note: {result}'s all-reduces took {ratio:.2f} x the time their bytes need on its "
+              f"{_rate_text(link.rate_bps)} link (median over {_count(len(wire), 'bucket')}): they did not all "
+              "cross it at that rate (a bucket smaller than the link's burst, or traffic that stayed on the host), "
+              "so the link model under-counts the wire; measure with larger buckets or a faster link",
+              file=sys.stderr)
+    if not link.separable:
+        sizes = sorted({b for b, *_ in samples})
+        print(f"portddp simulate: note: every all-reduce of {result} moved about the same bytes "
+              f"({sizes[0] / 1e6:.2f}" + (f"-{sizes[-1] / 1e6:.2f}" if len(sizes) > 1 else "") + " MB), which cannot "
+              "tell a fixed cost per all-reduce from a per-byte cost of the hosts: the time beyond the wire is taken "
+              "as fixed (alpha; host 0 ns/byte), which a faster --link then shortens only by the wire's share. To fit "
+              "both, measure a model whose buckets differ in size (e.g. `portddp run overlap ... -- --model gpt`)",
+              file=sys.stderr)
+
+
 def main(argv=None) -> int:
     """`portddp simulate RESULT.json --world 64 --link 10gbit --bucket-cap 4`.
 
@@ -487,7 +525,9 @@ def main(argv=None) -> int:
     _check_options(ns)
     link_rate = _link_rate(ns.link) if ns.link else None
     payload = _read_result(ns.result)
-    trace_rate = (payload.get("cluster") or {}).get("rate_bps")
+    # A cluster of one host is loopback too: its ranks met in shared memory, no byte crossed the link.
+    crossed = bool(payload.get("cluster")) and payload["cluster"].get("hosts", 2) > 1
+    trace_rate = payload["cluster"].get("rate_bps") if crossed else None
     rows = {r["label"]: r for r in payload["rows"]}
     # (an implementation's "(no overlap)" row is its fit's other half, not a row to replay by itself)
     replayable = [label for label, r in rows.items() if why_not_replayable(r) is None and not label.endswith(_OFF)]
@@ -530,13 +570,16 @@ def main(argv=None) -> int:
                  first_bucket_cap_mb=ns.first_bucket_cap, overlap=not ns.no_overlap, compression=ns.compression,
                  no_sync_every=ns.no_sync_every, compute_scale=ns.compute_scale)
     took = time.perf_counter() - t0
-    if not payload.get("cluster"):
-        print(f"portddp simulate: note: {ns.result} ran on this machine's loopback, not on an emulated cluster: its "
-              "ranks shared cores and memory and no link shaped their traffic, so the fitted link and contention "
-              "describe this machine; for predictions across links, measure on the emulated cluster (`portddp run "
-              "overlap -n 2 --hosts 2 --link matched -- --batch 1024`, root)", file=sys.stderr)
+    if not crossed:
+        where = ("on one emulated host, whose ranks all-reduced in its shared memory" if payload.get("cluster") else
+                 "on this machine's loopback, not on an emulated cluster")
+        print(f"portddp simulate: note: {ns.result} ran {where}: its ranks shared cores and memory and no link "
+              "shaped their traffic, so the fitted link and contention describe this machine; for predictions "
+              "across links, measure on an emulated cluster of 2 hosts or more (`portddp run overlap -n 2 --hosts 2 "
+              "--link matched -- --batch 1024`, root)", file=sys.stderr)
+    _note_fit(ns.result, model.link, samples_from_trace(off, trace_rate))
     print(f"trace: {ns.impl} from {ns.result} ({_count(world, 'rank')}, link "
-          f"{_rate_text(trace_rate) if payload.get('cluster') else 'loopback'}): measured step "
+          f"{_rate_text(trace_rate) if crossed else 'loopback'}): measured step "
           f"{rows[ns.impl]['median_s'] * 1e3:.1f} ms")
     print(f"link model: alpha {link.alpha_s * 1e6:.1f} us per all-reduce, {link.hop_s * 1e6:.1f} us per ring step, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
           + (f"(host-bound at {8 / link.host_s_per_byte / 1e9:.2f} Gbit/s)" if link.host_s_per_byte else

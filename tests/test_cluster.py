@@ -4,6 +4,7 @@ Skipped, with the reason, where namespaces cannot be made (not root, no iproute2
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -63,6 +64,20 @@ def test_parse_rate_zero_is_unlimited_and_units_are_taken(text, bps):
     assert cluster.parse_rate(text) == bps
 
 
+@pytest.mark.parametrize("text,name", [("10Gbit/s", "10gbit"), ("10 Gbit", "10gbit"), ("10G", "10gbit"),
+                                       ("2.5gbit", "2.5gbit"), ("1000mbit", "1000mbit"), ("0", "unlimited"),
+                                       ("inf", "unlimited")])
+def test_a_rate_has_one_spelling_in_file_names(text, name):
+    """(`--link 10Gbit/s` wrote overlap-n2-h2-10Gbit/s.json: a directory and a file.)"""
+    assert cluster.rate_name(text) == name and cluster.parse_rate(name) == cluster.parse_rate(text)
+
+
+def test_the_token_bucket_is_a_timer_tick_of_traffic_and_a_few_frames_at_least():
+    """(It was 256 KiB at least: a 64 KiB message crossed a 1 Mbit/s link in 16 ms, not 524.)"""
+    assert cluster.burst_bytes(1e9) == 500_000 and cluster.burst_bytes(10e6) == 4 * 1518
+    assert cluster.burst_bytes(10e6, mtu=9000) == 4 * 9018
+
+
 @pytest.fixture
 def nothing_made(monkeypatch):
     """Fail the test at the first `ip`/`tc` command (a namespace, link or probe), directory or mpirun."""
@@ -83,6 +98,9 @@ def nothing_made(monkeypatch):
                           "bare 0) for no shaping"),
     (["--link=-1gbit"], "link rate '-1gbit' is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or "
                         "a bare 0) for no shaping"),
+    (["--link", "500bit"], "link rate '500bit' is below 1 Mbit/s, the slowest link the emulated cluster shapes "
+                           "(tbf's token bucket holds at least four full frames, 49 ms of traffic at 1 Mbit/s, which "
+                           "pass unshaped): pass 1mbit or more"),  # (was a traceback from tc: 'rate 0kbit')
     (["--hosts", "0"], "--hosts 0: pass 1 to 250 emulated hosts"),
     (["--hosts", "251", "-n", "251"], "--hosts 251: pass 1 to 250 emulated hosts"),
     (["-n", "0", "--hosts", "1"], "-n 0: a job needs at least one rank per host: pass a multiple of 1 (-n 1, 2, ...)"),
@@ -103,6 +121,7 @@ def test_main_refuses_a_job_it_cannot_run_in_one_line_before_making_anything(arg
                                     "unlimited (or a bare 0) for no shaping"),
     (["--rates", "matched", "500mbit", "fast"], "link rate 'fast' not understood: use e.g. 1gbit"),
     (["--rates", "1000"], "link rate '1000' has no unit"),
+    (["--rates", "250mbit", "0.5kbit"], "link rate '0.5kbit' is below 1 Mbit/s"),
     (["-n", "3", "--hosts", "2"], "-n 3 ranks do not spread evenly over 2 hosts: pass a multiple of 2"),
     (["--hosts", "0"], "--hosts 0: pass 1 to 250 emulated hosts")])
 def test_bandwidth_sweep_refuses_every_rate_before_the_first_cluster(argv, message, nothing_made, monkeypatch):
@@ -118,6 +137,16 @@ def test_bandwidth_sweep_refuses_every_rate_before_the_first_cluster(argv, messa
     with pytest.raises(SystemExit) as exit_:
         bandwidth.main([*argv, "--", "--batch", "8"])
     assert str(exit_.value.code).startswith(f"experiments.bandwidth: {message}"), exit_.value.code
+
+
+def test_bandwidth_sweep_refuses_the_overlap_options_before_the_first_cluster(nothing_made, monkeypatch, capsys):
+    """(`-- --bogus` was an argparse error of every rank, after a cluster was made and MPI started.)"""
+    from experiments import bandwidth  # noqa: PLC0415
+
+    monkeypatch.setattr(cluster, "require_root", lambda: pytest.fail("the sweep started"))
+    with pytest.raises(SystemExit) as exit_:
+        bandwidth.main(["--rates", "1gbit", "--", "--bogus"])
+    assert exit_.value.code == 2 and "error: unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
 def test_bandwidth_help_shows_its_defaults_and_where_the_overlap_options_go(capsys):
@@ -164,10 +193,21 @@ def test_stale_launcher_directories_go_and_live_ones_stay(tmp_path, monkeypatch)
                       (f"portddp-cluster-{dead}-mismatch", dead + 1)):
         (dirs[name] / "to-host").write_text(f"  h0) set -- ip netns exec pddp{pid}h0 unshare --uts sh -c ;;\n")
     (tmp_path / f"portddp-cluster-{dead}-file0000").write_text("not a directory")
+    # The matched rate's calibration directory (a kill -9 during calibration left it), and /etc/netns entries
+    # whose namespace is gone (a teardown cut short): by the pid in their names.
+    for name in (f"portddp-calibrate-{dead}-k2j4h6g8", f"portddp-calibrate-{alive}-a1b2c3d4"):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+    etc = tmp_path / "etc-netns"
+    monkeypatch.setattr(cluster, "NETNS_ETC", etc)
+    for name in (f"{cluster.PREFIX}{dead}h1", f"{cluster.PREFIX}{alive}h0", f"{cluster.PREFIX}x{dead}h0"):
+        (etc / name).mkdir(parents=True)
+        (etc / name / "hosts").write_text("127.0.0.1 localhost\n")
     removed = cluster.cleanup_stale()
-    gone = {f"portddp-cluster-{dead}-ab1_cd2e", "portddp-cluster-old0dead"}
-    assert sorted(removed) == sorted(str(dirs[n]) for n in gone), removed
-    assert {p.name for p in tmp_path.iterdir()} == set(dirs) - gone | {f"portddp-cluster-{dead}-file0000"}
+    gone = {f"portddp-cluster-{dead}-ab1_cd2e", "portddp-cluster-old0dead", f"portddp-calibrate-{dead}-k2j4h6g8"}
+    assert sorted(removed) == sorted([str(etc / f"{cluster.PREFIX}{dead}h1"), *(str(dirs[n]) for n in gone)]), removed
+    assert {p.name for p in tmp_path.iterdir()} == set(dirs) - gone | {f"portddp-cluster-{dead}-file0000", etc.name}
+    assert {p.name for p in etc.iterdir()} == {f"{cluster.PREFIX}{alive}h0", f"{cluster.PREFIX}x{dead}h0"}
 
 
 def _ours() -> set[str]:
@@ -202,6 +242,31 @@ def test_a_shaped_link_carries_its_rate_and_everything_is_removed():
     assert sent >= 60 * 2**20, sent  # the stream crossed h0's interface
     assert setup_s + c.teardown_s < 10, (setup_s, c.teardown_s)
     assert not {n for n in _ours() if str(c.job) in n}, _ours()
+
+
+@needs_cluster
+def test_a_small_message_takes_its_wire_time():
+    """128 KiB over a 20 Mbit/s link: at least 80 % of its 52 ms on the wire (the token bucket lets only a few
+    frames pass at full speed), and not much more."""
+    with cluster.Cluster(2, "20mbit") as c:
+        receiver = subprocess.Popen([*c.exec_prefix(1), sys.executable, "-c", (
+            "import socket\n"
+            f"s=socket.create_server(('{c.addresses[1]}', 5202)); c,_=s.accept(); n=0\n"
+            "while n < 3 * (128 << 10):\n"
+            "    n += len(c.recv(1 << 20))\n"
+            "    if n % (128 << 10) == 0: c.sendall(b'k')\n")])
+        time.sleep(0.5)
+        took = subprocess.run([*c.exec_prefix(0), sys.executable, "-c", (
+            "import socket,time\n"
+            f"s=socket.create_connection(('{c.addresses[1]}', 5202)); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
+            "r=[]\n"
+            "for _ in range(3):\n"
+            "    time.sleep(0.2); t=time.perf_counter(); s.sendall(b'x' * (128 << 10)); s.recv(1)\n"
+            "    r.append(time.perf_counter() - t)\n"
+            "print(min(r))\n")], check=True, timeout=60, capture_output=True, text=True).stdout
+        receiver.wait(timeout=30)
+    wire = (128 << 10) * 8 / 20e6
+    assert 0.8 * wire <= float(took) <= 2.0 * wire, f"{float(took) * 1e3:.1f} ms for {wire * 1e3:.1f} ms on the wire"
 
 
 @needs_cluster
@@ -311,9 +376,15 @@ def test_without_root_the_cluster_says_what_is_missing():
 
 
 @needs_cluster
-def test_sigterm_to_the_launcher_stops_the_job_and_removes_everything():
+@pytest.mark.parametrize("sig, times, code", [(signal.SIGTERM, 1, 143), (signal.SIGHUP, 1, 129),
+                                              (signal.SIGINT, 6, 130)], ids=["sigterm", "sighup", "ctrl-c-x6"])
+def test_a_signal_to_the_launcher_stops_the_job_and_removes_everything(sig, times, code):
+    """SIGTERM; SIGHUP (a closed terminal or ssh session: it reached only the launcher, which died of it and
+    left the job running and every namespace behind); Ctrl-C pressed again and again (one landing in the
+    teardown cut it short, leaving the bridge and an /etc/netns entry)."""
     launcher = subprocess.Popen([sys.executable, "-m", "portddp.cluster", "-n", "2", "--hosts", "2", "--",
-                                 "sleep", "60"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                 "sleep", "60"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 30
     while not {n for n in _ours() if n.startswith(f"{cluster.PREFIX}{launcher.pid}h")}:
         assert time.monotonic() < deadline, "the cluster never came up"
@@ -321,10 +392,16 @@ def test_sigterm_to_the_launcher_stops_the_job_and_removes_everything():
     time.sleep(1.0)
     inside = subprocess.run(["ip", "netns", "pids", f"{cluster.PREFIX}{launcher.pid}h0"], capture_output=True,
                             text=True).stdout.split()
-    launcher.send_signal(signal.SIGTERM)
+    for _ in range(times):
+        with contextlib.suppress(ProcessLookupError):
+            launcher.send_signal(sig)
+        time.sleep(0.05)
     launcher.communicate(timeout=30)
-    assert launcher.returncode == 143  # (128 + SIGTERM; Ctrl-C: 130)
+    # (128 + the signal; Ctrl-C: 130, or the signal itself for one arriving after everything was removed, as Python
+    # ends on a KeyboardInterrupt nothing catches -- a shell reports both as 130)
+    assert launcher.returncode == code or (sig == signal.SIGINT and launcher.returncode == -sig), launcher.returncode
     assert not {n for n in _ours() if str(launcher.pid) in n}, _ours()
+    assert not list(cluster.NETNS_ETC.glob(f"{cluster.PREFIX}{launcher.pid}h*"))
     from portddp.watchdog import pid_alive  # noqa: PLC0415
 
     assert inside and not [p for p in inside if pid_alive(int(p))], inside

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from portddp.buckets import ParamSpec, plan_buckets, rebuild_plan
@@ -163,7 +164,7 @@ def result(tmp_path):
             _row("torch-c10d (no overlap)", "torch-c10d", overlap=False), _row("torch-local", "torch-local",
                                                                                  events=False)]
     path = tmp_path / "overlap-n2-h2-600mbit.json"
-    path.write_text(json.dumps({"experiment": "overlap", "world": {"size": 2}, "cluster": {"rate_bps": 600e6},
+    path.write_text(json.dumps({"experiment": "overlap", "world": {"size": 2}, "cluster": {"hosts": 2, "rate_bps": 600e6},
                                 "rows": rows}))
     return str(path)
 
@@ -214,6 +215,49 @@ def test_main_says_a_loopback_trace_describes_this_machine(result, tmp_path, cap
     assert "ran on this machine's loopback, not on an emulated cluster" in err
     assert main([result]) == 0
     assert "loopback" not in capsys.readouterr().err
+    # A cluster of one host is loopback too (a review: a 1-host run at 100 Mbit/s, whose ranks met in shared
+    # memory, was fitted as if its bytes had crossed the link, and predicted its own point 10 x too slow).
+    payload["cluster"] = {"hosts": 1, "link": "100mbit", "rate_bps": 100e6}
+    path.write_text(json.dumps(payload))
+    assert main([str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "(2 ranks, link loopback)" in out and "ran on one emulated host, whose ranks all-reduced in its shared" in err
+
+
+def test_fit_link_of_one_bucket_size_takes_the_time_beyond_the_wire_as_fixed_whatever_the_rounding():
+    """(A review: on an iteration of equal buckets alpha and h fit alike, and rounding picked one -- adding 0-7
+    bytes to 4 MiB buckets turned a 64-rank prediction from 3561 into 1852 ms.)"""
+    rng = np.random.default_rng(0)
+    nbytes = 4 * 2**20 + 4096
+    for seed in range(10):
+        t = 0.002 + nbytes * 8 / GBIT + np.random.default_rng(seed).normal(0, 1e-3, 8)
+        for extra in (np.zeros(8, int), rng.integers(0, 8, 8)):
+            fit = fit_link([(nbytes + int(e), 2, GBIT, float(x)) for e, x in zip(extra, t)])
+            assert not fit.separable and fit.host_s_per_byte == 0.0
+            assert fit.alpha_s == pytest.approx(max(0.0, float(np.mean(t - (nbytes + extra) * 8 / GBIT))), abs=1e-9)
+    # Sizes apart by more than SEPARABLE_SPREAD: both are fitted, as from a sweep.
+    truth = LinkModel(alpha_s=2e-3, host_s_per_byte=20e-9)
+    fit = fit_link([(b, 2, GBIT, truth.allreduce_s(b, 2, GBIT)) for b in (1e6, 4e6, 16e6)])
+    assert fit.separable and fit.host_s_per_byte == pytest.approx(20e-9, rel=0.05)
+
+
+def test_main_notes_a_fit_it_could_not_separate_and_buckets_quicker_than_the_wire(result, tmp_path, capsys):
+    import json  # noqa: PLC0415
+
+    from portddp.simulate import main  # noqa: PLC0415
+
+    payload = json.loads(open(result).read())
+    assert main([result]) == 0
+    assert "note" not in capsys.readouterr().err  # the fixture's buckets differ in size and take longer than the wire
+    for row in payload["rows"]:  # equal buckets, each done in 1 ms: 14 % of a 524 KB bucket's wire time at 600 Mbit/s
+        for b in (row.get("events") or {}).get("buckets", []):
+            b["nbytes"], b["done_ns"] = 524288, b["launch_ns"] + 1_000_000
+    path = tmp_path / "overlap-n2-h2-600mbit.json"
+    path.write_text(json.dumps(payload))
+    assert main([str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "all-reduces took 0.14 x the time their bytes need on its 600 Mbit/s link" in err, err
+    assert "moved about the same bytes (0.52 MB), which cannot tell a fixed cost" in err
 
 
 def test_main_refuses_a_one_rank_result_for_more_ranks(result, tmp_path, capsys):
