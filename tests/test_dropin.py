@@ -24,7 +24,7 @@ SCENARIOS = [
     "copies", "zero_size_param", "channels_last", "channels_last_view", "freeze_later_unused",
     "late_fp16", "late_fp16_after_eval_forward", "builtin_allreduce", "builtin_fp16_compress",
     "post_accumulate_hook_after_wrap", "unused_buckets_as_native", "buffer_registered_after_wrap",
-    "complex_allreduce_hook", "pruned_after_wrap", "frozen_teacher", "static_graph_dataclass_output",
+    "complex_allreduce_hook", "pruned_after_wrap", "frozen_teacher", "static_graph_dataclass_output", "checkpoint_state_dict",
 ]
 
 
@@ -49,6 +49,7 @@ def test_trains_exactly_like_native_ddp(results, scenario):
         assert row.get("old_refused", True), row  # rewrap: the superseded wrapper refuses a forward
         assert row.get("copy_refuses_backward", True), row  # copies: a deepcopy of portddp's wrapper refuses to train
         assert row.get("ranks_agree", True), row  # static_graph with a dataclass output: the ranks stay in step
+        assert row.get("keys_as_native", True) and row.get("loaded_into_bare", True), row  # checkpoint_state_dict
 
 
 def test_native_attributes_and_module_interface(results):
@@ -88,6 +89,8 @@ def test_torchrun_style_script_under_mpirun(tmp_path, portddp_init):
 NATIVE_ERRORS = [
     ("device_ids_on_cpu", r"device_ids and output_device arguments only work with .* but got device_ids \[0\].*"
                           r"On CPU pass device_ids=None"),
+    ("nested_ddp", r"DistributedDataParallel\(module\) got a portddp\.torch\.ddp\.DistributedDataParallel, a DDP "
+                   r"wrapper itself: wrap its module instead -- DistributedDataParallel\(ddp\.module, \.\.\.\)"),
     ("mixed_precision", r"mixed_precision is not supported by portddp.*torch\.autocast"),
     ("bucket_cap_mb_list", r"bucket_cap_mb_list=\[1, 25\] is not supported by portddp: pass bucket_cap_mb="),
     ("delay_without_hook_param", r"delay_all_reduce_named_params and param_to_hook_all_reduce need to be set"),

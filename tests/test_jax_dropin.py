@@ -87,6 +87,24 @@ def test_variables_holding_python_numbers_are_carried_through_the_step(two_ranks
         assert row["calls"] == 10 * row["me"] + 3 and row["decay"] == 0.5 ** 4 and row["max_rel"] <= 1e-12, row
 
 
+@pytest.mark.parametrize("strategy", ["hooked", "compiled"])
+def test_a_script_training_inside_its_own_mesh_gets_the_global_batchs_gradients(two_ranks, strategy):
+    """jax.set_mesh around the loop (Flax's nnx.with_partitioning needs one): the compiled strategy's shard_map
+    raised JAX's 'context mesh ... should match the mesh passed to shard_map'; a step and ddp.reduce."""
+    for row in mpi.each_rank(two_ranks, f"user_mesh/{strategy}")[1]:
+        assert row["step"] <= 1e-12 and row["reduce"] <= 1e-12, row
+
+
+@pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
+def test_plain_attributes_the_forward_changes_are_kept_as_nnx_value_and_grad_keeps_them(two_ranks, pmap_world,
+                                                                                        strategy):
+    """A plain Python call counter and a flag switched at the third step (static in NNX): after four steps
+    both are where nnx.value_and_grad leaves them, and every step's gradient is the global batch's (they
+    were silently dropped: the counter stayed 0, the warm-up branch ran for ever)."""
+    for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"plain_attributes/{strategy}")[1]:
+        assert [row["calls"], row["mode"]] == row["reference"] == [4, "full"] and row["max_rel"] <= 1e-12, row
+
+
 @pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
 def test_wrt_trains_a_subset_and_freezes_the_rest(two_ranks, pmap_world, strategy):
     """DistributedDataParallel(model, wrt=F) beside nnx.Optimizer(model, tx, wrt=F) -- F = nnx.LoRAParam, or a
@@ -107,7 +125,7 @@ BAD = [
     ("has_aux_without_pair", r"has_aux=True: loss_fn must return a pair \(loss, aux\); '<lambda>' returned one array"),
     ("compiled_inside_jit", r"strategy='compiled' runs its own program over every rank's device, which cannot be "
                             r"traced into your jax\.jit .* or use strategy='hooked'"),
-    ("rngs_captured_outside", r"loss_fn changed Flax NNX state that was not passed to grad_fn \(Flax: Cannot mutate "
+    ("rngs_captured_outside", r"loss_fn changed Flax NNX state that is not part of the model \(Flax: Cannot mutate "
                               r"RngCount .*\): .* Keep it in the model"),
     ("key_in_params", r"leaf \['seed'\]\.value is a JAX PRNG key, which is not a parameter"),
     ("module_to_pytree_grad_fn", r"grad_fn got a Flax Net module: use ddp\.nnx_value_and_grad\(loss_fn\)"),

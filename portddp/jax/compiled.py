@@ -235,9 +235,13 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
         args = (gparams, gstate, gbatch, _process_rows(sharded, np.asarray([steps], np.int32), "steps"))
         if weighted:
             args += (_process_rows(sharded, np.asarray([scale], np.float32), "scale"),)
-        if not hlo:
-            hlo.update(hlo_facts(fn_.lower(*args).compile().as_text()))
-        loss, aux, new_state, counts, grads = fn_(*args)
+        # Under the processes' mesh: a mesh the script set around its training loop (jax.set_mesh, as
+        # Flax's nnx.with_partitioning examples do) made shard_map refuse ours ("the context mesh ...
+        # should match the mesh passed to shard_map").
+        with jax.set_mesh(mesh):
+            if not hlo:
+                hlo.update(hlo_facts(fn_.lower(*args).compile().as_text()))
+            loss, aux, new_state, counts, grads = fn_(*args)
         mine_ = lambda tree: jax.tree.map(lambda g: g.addressable_data(0)[0], tree)  # noqa: E731
         return (loss.addressable_data(0)[0], mine_(aux), _data_as_keys(mine_(new_state), impls),
                 jax.tree.map(lambda g: g.addressable_data(0), grads), _counts(counts))
@@ -287,7 +291,8 @@ def make_reduce(strategy: str, plan: BucketPlan, layout: Layout, world: int):
     def reduce(grads, steps: int = 0):
         stacked = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharded, np.asarray(x)[None]),
                                grads)
-        out, counts = fn(stacked, _process_rows(sharded, np.asarray([steps], np.int32), "steps"))
+        with jax.set_mesh(mesh):  # (whatever mesh the script set: see make_step)
+            out, counts = fn(stacked, _process_rows(sharded, np.asarray([steps], np.int32), "steps"))
         return jax.tree.map(lambda g: g.addressable_data(0), out), _counts(counts)
 
     return reduce

@@ -172,11 +172,38 @@ def named_errors(step, *args):
         if type(e).__name__ != "TraceContextError":
             raise
         raise RuntimeError(
-            f"loss_fn changed Flax NNX state that was not passed to grad_fn (Flax: {str(e).split(' (')[0]}): "
+            f"loss_fn changed Flax NNX state that is not part of the model (Flax: {str(e).split(' (')[0]}): "
             "portddp traces loss_fn into its own compiled step, so an nnx.Rngs (or any nnx.Variable) captured "
-            "from outside cannot be updated there. Keep it in the model -- e.g. nnx.Dropout(rate, rngs=rngs) "
+            "from outside, or passed in the batch, cannot be updated there. Keep it in the model -- e.g. "
+            "nnx.Dropout(rate, rngs=rngs) "
             "holds its own stream -- and use ddp.nnx_value_and_grad(loss_fn)(model, batch), which carries the "
             "model's RNG state and buffers through the step") from None
+
+
+_SIMPLE = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _plain_attributes(model) -> dict:
+    """{(module path, name): value} of the modules' plain Python attributes (numbers, strings, None, tuples
+    of them): NNX keeps them in the GraphDef, not in any State that nnx.update carries."""
+    nnx = _nnx()
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            for name, value in vars(node).items():
+                if not name.startswith(("_pytree__", "_object__", "_graph_node__")) and (
+                        isinstance(value, _SIMPLE) or isinstance(value, tuple) and all(
+                            isinstance(v, _SIMPLE) for v in value)):
+                    out[(tuple(path), name)] = value
+    return out
+
+
+def _set_plain_attributes(model, changes) -> None:
+    nnx = _nnx()
+    nodes = {tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+    for (path, name), value in changes:
+        if path in nodes:
+            setattr(nodes[path], name, value)
 
 
 def value_and_grad(ddp, loss_fn, has_aux: bool):
@@ -185,12 +212,20 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
 
     nnx = _nnx()
     checked = checked_loss(loss_fn, has_aux, via="nnx_value_and_grad")
+    # Plain Python attributes loss_fn changed (a call counter, a flag), per GraphDef: found while the step
+    # is traced, and set on the model after each step, as nnx.value_and_grad and nnx.jit leave them. (The
+    # GraphDef holds them, so the next step, with the new values, is traced afresh -- as under nnx.jit.)
+    plain_changes: dict = {}
 
     def pure(graphdef, params, state, batch):
         # copy=True: fresh Variables owned by this trace (the step differentiates inside jit, and
         # Flax refuses to mutate a Variable created at another trace level).
         model = nnx.merge(graphdef, params, *state, copy=True)
+        before = _plain_attributes(model)
         loss, aux = checked(model, batch)
+        after = _plain_attributes(model)
+        plain_changes[graphdef] = tuple((k, v) for k, v in after.items() if k not in before or before[k] is not v
+                                        and before[k] != v)
         _, _, buffers, other = split(model, paths(state[1]), ddp._nnx_wrt)
         return loss, (aux, (buffers, other))
 
@@ -203,6 +238,8 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         graphdef, params, buffers, other = split_for(ddp, model)
         loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
         nnx.update(model, buffers, other)
+        if batch is not ddp.JOINED and plain_changes.get(graphdef):
+            _set_plain_attributes(model, plain_changes[graphdef])
         return ((loss, aux) if has_aux else loss), grads
 
     return grad_fn

@@ -17,3 +17,4 @@ __all__ = [
 ]
 
 dropin.install()
+dropin.recognise_in_checkpoints(DistributedDataParallel)

@@ -210,6 +210,13 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     ):
         super().__init__()
         Joinable.__init__(self)
+        if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+            # (Native trains a DDP nested in a DDP, reducing every gradient twice; here the inner one's forward
+            # refused, as a wrapper whose parameters a newer one took over, with advice that did not apply.)
+            raise ValueError(
+                f"DistributedDataParallel(module) got a {type(module).__module__}.{type(module).__name__}, a DDP "
+                "wrapper itself: wrap its module instead -- DistributedDataParallel(ddp.module, ...) -- one DDP per "
+                "model (a DDP inside another would reduce every gradient twice)")
         # Validate everything local before talking to other ranks: every rank
         # sees the same arguments, so every rank raises the same error.
         config = DDPConfig.resolve(bucket_cap_mb, first_bucket_cap_mb, transport=transport, transports=TRANSPORTS,

@@ -15,20 +15,29 @@ Importing `portddp.torch` under mpirun
   after `portddp.init()` has created the default group adopts that group
   instead of failing with "trying to initialize the default process group
   twice". Any other call goes to PyTorch unchanged.
+
+And wherever it is imported, `recognise_in_checkpoints` has torch.distributed.checkpoint's
+state-dict API (get_state_dict, set_state_dict, get_model_state_dict...) treat portddp's
+DistributedDataParallel as native's: that API names a native DDP's parameters without its
+`module.` prefix, telling a DDP by `isinstance` with native's class, so a portddp model's keys
+kept the prefix -- checkpoints written before the swap did not load after it, nor the other way.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import logging
 import os
+import sys
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from portddp import launch
 
-__all__ = ["install"]
+__all__ = ["install", "recognise_in_checkpoints"]
 
 _log = logging.getLogger("portddp")
 
@@ -63,3 +72,42 @@ def _adopting(original):
 
     init_process_group.__portddp__ = True
     return init_process_group
+
+
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+
+
+def recognise_in_checkpoints(cls) -> None:
+    """Add `cls` to the DDP check of torch.distributed.checkpoint.state_dict (its module-level `DDP`, used
+    only in `isinstance(obj, DDP)`), now if a script imported it already, else when it does: importing it
+    takes ~0.6 s, which a script that never uses it should not pay."""
+    def add(module) -> None:
+        if not isinstance(module.DDP, tuple):
+            module.DDP = (module.DDP, cls)
+
+    if _DCP_STATE_DICT in sys.modules:
+        add(sys.modules[_DCP_STATE_DICT])
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_DCP_STATE_DICT, add))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` once the module `name` has been executed, the first time it is imported."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # (once; and the lookup below must not find this finder again)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                self.then(module)
+
+            spec.loader.exec_module = exec_module
+        return spec

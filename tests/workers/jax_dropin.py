@@ -255,6 +255,78 @@ def python_number_state(strategy: str):
                                                                          nnx.state(want, nnx.Param)))
 
 
+class Warmed(nnx.Module):
+    """A plain Python counter and flag the forward changes (static in NNX: held in the GraphDef)."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.arange(IN * OUT, dtype=F64).reshape(IN, OUT) / 10)
+        self.calls = 0
+        self.mode = "warm-up"
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls > 2:
+            self.mode = "full"
+            return 2 * (x @ self.w)
+        return x @ self.w
+
+
+def plain_attributes(strategy: str):
+    """(A review: portddp's grad_fn ran loss_fn on a copy and carried back only Variable state, so a plain
+    attribute the forward changed -- a call counter driving a warm-up branch -- never advanced, silently.)
+    Four steps: as under nnx.value_and_grad, the counter reaches 4, the branch switches at the third step,
+    and the gradients follow it."""
+    model = Warmed()
+    ddp = DistributedDataParallel(model, strategy=strategy)
+    ddp.broadcast(model)
+    loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+    world = WORLD.size if strategy != "pmap" else ddp.world_size
+    shards = [batch_of(r, 0) for r in range(world)]
+    whole = tuple(np.concatenate(parts) for parts in zip(*shards))
+    grad_fn = ddp.nnx_value_and_grad(loss)
+    reference = Warmed()
+    worst = 0.0
+    for _ in range(4):
+        _, grads = grad_fn(model, whole if strategy == "pmap" else shards[WORLD.rank])
+        want = nnx.grad(loss)(reference, whole)
+        worst = max(worst, rel_diff(nnx.state(grads, nnx.Param), nnx.state(want, nnx.Param)))
+    common.report(WORLD.rank, f"plain_attributes/{strategy}", calls=model.calls, mode=model.mode,
+                  reference=[reference.calls, reference.mode], max_rel=worst)
+
+
+class Partitioned(nnx.Module):
+    """A kernel annotated with nnx.with_partitioning, which Flax creates only under a mesh."""
+
+    def __init__(self):
+        init = nnx.with_partitioning(lambda *_: jnp.arange(IN * OUT, dtype=F64).reshape(IN, OUT) / 10, (None, "model"))
+        self.l = nnx.Linear(IN, OUT, kernel_init=init, param_dtype=F64, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.l(x)
+
+
+def under_user_mesh(strategy: str):
+    """A script that trains inside its own `jax.set_mesh(...)` (Flax's with_partitioning examples): the compiled
+    strategy's shard_map refused it with JAX's 'context mesh ... should match the mesh passed to shard_map'.
+    Both a synchronised step and sync=False + ddp.reduce give the global batch's gradients."""
+    mesh = jax.make_mesh((1,), ("model",), devices=jax.local_devices()[:1])
+    loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+    shards = [batch_of(r, 0) for r in range(WORLD.size)]
+    whole = tuple(np.concatenate(parts) for parts in zip(*shards))
+    with jax.set_mesh(mesh):
+        model = Partitioned()
+        ddp = DistributedDataParallel(model, strategy=strategy)
+        ddp.broadcast(model)
+        grad_fn = ddp.nnx_value_and_grad(loss)
+        _, grads = grad_fn(model, shards[WORLD.rank])
+        _, local = grad_fn(model, shards[WORLD.rank], sync=False)
+        reduced = ddp.reduce(local)
+        want = nnx.grad(loss)(Partitioned(), whole)
+    common.report(WORLD.rank, f"user_mesh/{strategy}", step=rel_diff(nnx.state(grads, nnx.Param),
+                                                                      nnx.state(want, nnx.Param)),
+                  reduce=rel_diff(nnx.state(reduced, nnx.Param), nnx.state(want, nnx.Param)))
+
+
 class Adapted(nnx.Module):
     """A base Linear (nnx.Param), a LoRA adapter on it (nnx.LoRAParam) and a head held as plain arrays
     (Flax's array-leaves style): three ways a module holds trainable-or-not state."""
@@ -408,9 +480,11 @@ def main(strategies):
         if strategy != "pmap":
             nnx_train(strategy)
             nnx_no_dropout_vs_global_batch(strategy)
+            under_user_mesh(strategy)
         unused_leaves(strategy)
         has_aux(strategy)
         python_number_state(strategy)
+        plain_attributes(strategy)
         wrt_subset(strategy)
         scalar_batch_leaf(strategy)
     if "hooked" in strategies:

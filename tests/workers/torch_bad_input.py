@@ -131,6 +131,8 @@ def run(case: str, transport: str) -> None:
         ddp(x).sum().backward()
     elif case == "device_ids_on_cpu":
         DistributedDataParallel(nn.Linear(4, 4), [0], transport=transport)
+    elif case == "nested_ddp":  # DDP(DDP(model)): refused at construction, naming the fix
+        DistributedDataParallel(DistributedDataParallel(nn.Linear(4, 4), transport=transport), transport=transport)
     elif case == "mixed_precision":
         DistributedDataParallel(nn.Linear(4, 4), mixed_precision=object(), transport=transport)
     elif case == "bucket_cap_mb_list":

@@ -772,6 +772,44 @@ def frozen_teacher(transport):
     report(f"frozen_teacher/{transport}", max_diff=max(d1, d2), bitwise=eq1 and eq2)
 
 
+def checkpoint_state_dict(transport):
+    """torch.distributed.checkpoint's state-dict API (a review, 2026-12-06: its keys kept portddp's `module.`
+    prefix, which it strips for native's class only -- so a checkpoint of one did not load into the other,
+    and a full state dict did not load into the bare model). Keys as native's; native's model and optimizer
+    state set into portddp's wrapper; portddp's full state dict into the bare model: then both train alike."""
+    from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+        StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict)
+
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB})
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (native, ours)]
+    for m, opt in ((native, opts[0]), (ours, opts[1])):
+        loss_of(m, 0, dist.get_rank()).backward()
+        opt.step()
+    (n_model, n_optim), (o_model, o_optim) = get_state_dict(native, opts[0]), get_state_dict(ours, opts[1])
+    keys = [list(n_model), list(o_model), list(n_optim["state"]), list(o_optim["state"])]
+    fresh = DistributedDataParallel(make(), bucket_cap_mb=CAP_MB, transport=transport)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    # (copies: the optimizer would keep native's own state tensors, which native's steps below update)
+    set_state_dict(fresh, fresh_opt, model_state_dict=copy.deepcopy(n_model), optim_state_dict=copy.deepcopy(n_optim))
+    bare = make()
+    bare.load_state_dict(get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True)))
+    loaded = max_diff(native.module, bare)[1]
+
+    def adam_steps(opt):
+        def train(ddp):
+            for step in range(1, 4):
+                opt.zero_grad()
+                loss_of(ddp, step, dist.get_rank()).backward()
+                opt.step()
+        return train
+
+    adam_steps(opts[0])(native)
+    adam_steps(fresh_opt)(fresh)
+    diff, equal = max_diff(native.module, fresh.module)
+    report(f"checkpoint_state_dict/{transport}", max_diff=diff, bitwise=equal, keys_as_native=keys[0] == keys[1]
+           and keys[2] == keys[3] and not any(k.startswith("module.") for k in keys[1]), loaded_into_bare=loaded)
+
+
 def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
@@ -780,7 +818,7 @@ SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, un
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
-             static_graph_dataclass_output]
+             static_graph_dataclass_output, checkpoint_state_dict]
 
 
 def main():
