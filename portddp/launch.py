@@ -550,12 +550,20 @@ def _init_c10d(w: World, backend: str, timeout_s: float) -> None:
         world_size=w.size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    global MADE_C10D, _C10D_PID
-    MADE_C10D, _C10D_PID = True, os.getpid()
-    # We made it, so we take it down at exit: left to the interpreter's teardown, Gloo's threads
-    # sometimes abort the process ("terminate called without an active exception") after the
-    # script has finished.
-    atexit.register(_destroy_c10d)
+    global MADE_C10D
+    MADE_C10D = True
+    destroy_c10d_at_exit()
+
+
+def destroy_c10d_at_exit() -> None:
+    """Take the default c10d group down at exit (once per process): left to the interpreter's teardown,
+    Gloo's threads sometimes abort the process ("terminate called without an active exception") after
+    the script has finished. For the group portddp.init() made, and under mpirun for the one a
+    drop-in script made itself (portddp.torch's init_process_group)."""
+    global _C10D_PID
+    if _C10D_PID != os.getpid():
+        _C10D_PID = os.getpid()
+        atexit.register(_destroy_c10d)
 
 
 def _destroy_c10d() -> None:

@@ -74,16 +74,20 @@ def test_join_throw_on_early_termination_raises_on_every_rank(results):
         assert re.search("Detected at least one rank that exhausted inputs", row["message"]), row
 
 
-@pytest.mark.parametrize("portddp_init", [False, True], ids=["own-init", "portddp-init-then-own"])
-def test_torchrun_style_script_under_mpirun(tmp_path, portddp_init):
+@pytest.mark.parametrize("portddp_init,transport", [(False, None), (True, None), (False, "mpi")],
+                         ids=["own-init", "portddp-init-then-own", "own-init-mpi-by-environment"])
+def test_torchrun_style_script_under_mpirun(tmp_path, portddp_init, transport):
     """RANK/LOCAL_RANK/WORLD_SIZE set, the script's own init_process_group works (or adopts
-    portddp.init()'s group), and it trains bitwise like native DDP."""
+    portddp.init()'s group), and it trains bitwise like native DDP -- over c10d, or over MPI chosen by
+    PORTDDP_TRANSPORT without touching the script."""
     proc = mpi.run(2, "tests.workers.torchrun_style", *(["--portddp-init"] if portddp_init else []),
-                   env={"PORTDDP_RESULTS": str(tmp_path)}, timeout=120)
+                   env={"PORTDDP_RESULTS": str(tmp_path), **({"PORTDDP_TRANSPORT": transport} if transport else {})},
+                   timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for r in range(2):
         row = __import__("json").loads((tmp_path / f"rank{r}.jsonl").read_text())
         assert row["distributed"] and row["world"] == 2 and row["local_rank"] == r and row["bitwise"], row
+        assert row["transport"] == (transport or "c10d"), row
 
 
 NATIVE_ERRORS = [

@@ -49,6 +49,7 @@ method names for the same roles. What PyTorch has that JAX has not:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import weakref
@@ -172,7 +173,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         first_bucket_cap_mb: cap of the first bucket (the last layers' gradients),
             small so that communication starts early.
         transport: "c10d" (the process group, Gloo/NCCL) or "mpi" (mpi4py on a
-            comm thread; needs mpirun).
+            comm thread; needs mpirun). Not given: $PORTDDP_TRANSPORT, else "c10d" --
+            so a script that only swapped the import can run on either.
         overlap: False launches every bucket only after backward has finished:
             the no-overlap baseline of the overlap study.
         check_finite: check every local gradient for NaN/Inf as it arrives; if any
@@ -204,7 +206,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         *,
         first_bucket_cap_mb: float | None = None,
-        transport: str = "c10d",
+        transport: str | None = None,
         overlap: bool = True,
         check_finite: bool = False,
     ):
@@ -217,6 +219,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 f"DistributedDataParallel(module) got a {type(module).__module__}.{type(module).__name__}, a DDP "
                 "wrapper itself: wrap its module instead -- DistributedDataParallel(ddp.module, ...) -- one DDP per "
                 "model (a DDP inside another would reduce every gradient twice)")
+        if transport is None:  # (a script that only swapped the import picks the MPI transport by the environment)
+            transport = os.environ.get("PORTDDP_TRANSPORT") or "c10d"
+            if transport not in TRANSPORTS:
+                raise ValueError(f"PORTDDP_TRANSPORT={transport!r} is not a transport: set it to one of "
+                                 f"{', '.join(TRANSPORTS)}, or unset it (c10d)")
         # Validate everything local before talking to other ranks: every rank
         # sees the same arguments, so every rank raises the same error.
         config = DDPConfig.resolve(bucket_cap_mb, first_bucket_cap_mb, transport=transport, transports=TRANSPORTS,

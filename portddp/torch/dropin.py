@@ -65,10 +65,14 @@ def _adopting(original):
                       dist.get_rank(), dist.get_world_size())
             return None
         init_method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
-        if (launch.detect().launcher == "mpirun" and init_method in (None, "env://") and kwargs.get("store") is None
+        under_mpirun = launch.detect().launcher == "mpirun"
+        if (under_mpirun and init_method in (None, "env://") and kwargs.get("store") is None
                 and "MASTER_PORT" not in os.environ):
             launch.export_torchrun_env(rendezvous=True)
-        return original(*args, **kwargs)
+        made = original(*args, **kwargs)
+        if under_mpirun:  # (a script that never destroys it sometimes aborted at exit: see launch)
+            launch.destroy_c10d_at_exit()
+        return made
 
     init_process_group.__portddp__ = True
     return init_process_group

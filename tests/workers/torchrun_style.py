@@ -38,11 +38,15 @@ else:
 torch.set_num_threads(1)
 
 
+transports = []  # each wrapper's (portddp's: $PORTDDP_TRANSPORT, else c10d)
+
+
 def train(wrapper):
     torch.manual_seed(1337)
     model = nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.Linear(24, 12), nn.LayerNorm(12), nn.Linear(12, 3))
     if ddp:
         model = wrapper(model, device_ids=None)
+        transports.append(getattr(model, "transport", "native"))
     raw = model.module if ddp else model
     opt = torch.optim.AdamW(raw.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(100 + ddp_rank)
@@ -64,7 +68,7 @@ ours = train(DDP)
 native = train(nn.parallel.DistributedDataParallel)
 equal = all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), native.state_dict().values()))
 common.report(ddp_rank, "torchrun_style", distributed=ddp, world=ddp_world_size, bitwise=equal,
-              local_rank=int(os.environ.get("LOCAL_RANK", -1)))
+              local_rank=int(os.environ.get("LOCAL_RANK", -1)), transport=transports[0] if transports else None)
 if ddp:
     destroy_process_group()
 # PyTorch's own C++ teardown after destroy_process_group() sometimes aborts the process ("terminate called
