@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,7 +103,10 @@ def rate_name(rate: str) -> str:
     if parse_rate(rate) is None:
         return "unlimited"
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)", str(rate).strip().lower().removesuffix("/s").removesuffix("bit"))
-    return f"{float(m.group(1)):g}{m.group(2)}bit"
+    number = m.group(1).lstrip("0") or "0"
+    if "." in number:
+        number = number.rstrip("0").rstrip(".")
+    return f"{'0' + number if number.startswith('.') else number}{m.group(2)}bit"
 
 
 def check_rate(rate: str) -> float | None:
@@ -325,8 +329,7 @@ class Cluster:
         if not self._made:
             return
         t0 = time.perf_counter()
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
-        try:
+        with _signals_held():
             for ns in self.names:
                 _kill_inside(ns)
                 _run("ip", "netns", "del", ns, check=False)
@@ -334,8 +337,6 @@ class Cluster:
             for link in [*self.uplinks, self.bridge]:
                 _run("ip", "link", "del", link, check=False)
             self._made = False
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         self.teardown_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ running
@@ -400,7 +401,30 @@ def cluster_info() -> dict | None:
     return json.loads(info) if info else None
 
 
-_STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block is done, then act as they would have (the first one).
+    Python handlers that note them, not a blocked signal mask: that holds for the calling thread only, and
+    the kernel hands a process-directed signal to any other thread (numpy's OpenBLAS starts some), whose
+    arrival Python still turns into an exception in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: arrived.append(signum)) for sig in _STOPS
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if arrived and callable(handler := previous.get(arrived[0])):
+        handler(arrived[0], None)
+    elif arrived and previous.get(arrived[0]) is signal.SIG_DFL:
+        signal.raise_signal(arrived[0])
 
 
 class _Terminated(KeyboardInterrupt):
@@ -422,7 +446,9 @@ def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = Fal
     in a session of its own, so a closing terminal reaches only the launcher, which must pass it on). A
     job no cluster can run (check_job) raises ValueError before anything is made."""
     check_job(n, hosts, link)
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # (a signal ignored on purpose stays ignored: under nohup, SIGHUP is)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         return _run_job(n, hosts, link, command, quiet)
     finally:

@@ -193,8 +193,8 @@ def samples_from_trace(trace: Trace, rate_bps: float | None) -> list[tuple[int, 
 
 
 SEPARABLE_SPREAD = 1.5
-"""Samples whose bytes sent per host span less than this factor cannot tell a fixed cost per
-all-reduce (alpha) from a per-byte one (host_s_per_byte): fit_link then fits alpha alone."""
+"""Samples at one link rate whose bytes sent per host span less than this factor cannot tell a fixed
+cost per all-reduce (alpha) from a per-byte one (host_s_per_byte): fit_link then fits alpha alone."""
 
 
 def fit_link(samples: Sequence[tuple[int, int, float | None, float]]) -> LinkModel:
@@ -229,7 +229,11 @@ def fit_link(samples: Sequence[tuple[int, int, float | None, float]]) -> LinkMod
             if err < best[0]:
                 best = (err, (float(coef[0]), float(coef[1]) if several_sizes else 0.0), float(h))
 
-    separable = bool(sent.max() > SEPARABLE_SPREAD * sent.min())
+    # Apart: bytes that differ enough, or links of several rates (the wire binds at one, the hosts at another);
+    # and at least as many distinct points as unknowns (alpha, h, and hop with several world sizes).
+    points = {(float(x), float(y), float(z)) for x, y, z in zip(b, n, rate)}
+    separable = len(points) >= design.shape[1] + 1 and bool(
+        sent.max() > SEPARABLE_SPREAD * sent.min() or len(set(rate.tolist())) > 1)
     consider([0.0])
     if separable:  # coarse, then around the best
         consider(np.logspace(-12, -6, 241))

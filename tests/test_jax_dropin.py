@@ -87,11 +87,11 @@ def test_variables_holding_python_numbers_are_carried_through_the_step(two_ranks
         assert row["calls"] == 10 * row["me"] + 3 and row["decay"] == 0.5 ** 4 and row["max_rel"] <= 1e-12, row
 
 
-@pytest.mark.parametrize("strategy", ["hooked", "compiled"])
-def test_a_script_training_inside_its_own_mesh_gets_the_global_batchs_gradients(two_ranks, strategy):
-    """jax.set_mesh around the loop (Flax's nnx.with_partitioning needs one): the compiled strategy's shard_map
+@pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
+def test_a_script_training_inside_its_own_mesh_gets_the_global_batchs_gradients(two_ranks, pmap_world, strategy):
+    """jax.set_mesh around the loop (Flax's nnx.with_partitioning needs one): the compiled and pmap strategies
     raised JAX's 'context mesh ... should match the mesh passed to shard_map'; a step and ddp.reduce."""
-    for row in mpi.each_rank(two_ranks, f"user_mesh/{strategy}")[1]:
+    for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"user_mesh/{strategy}")[1]:
         assert row["step"] <= 1e-12 and row["reduce"] <= 1e-12, row
 
 
@@ -103,6 +103,7 @@ def test_plain_attributes_the_forward_changes_are_kept_as_nnx_value_and_grad_kee
     were silently dropped: the counter stayed 0, the warm-up branch ran for ever)."""
     for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"plain_attributes/{strategy}")[1]:
         assert [row["calls"], row["mode"]] == row["reference"] == [4, "full"] and row["max_rel"] <= 1e-12, row
+        assert row["rows"][0] == row["rows"][1], row  # the batch rows the last forward saw, step by step
 
 
 @pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])

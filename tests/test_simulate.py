@@ -239,6 +239,11 @@ def test_fit_link_of_one_bucket_size_takes_the_time_beyond_the_wire_as_fixed_wha
     truth = LinkModel(alpha_s=2e-3, host_s_per_byte=20e-9)
     fit = fit_link([(b, 2, GBIT, truth.allreduce_s(b, 2, GBIT)) for b in (1e6, 4e6, 16e6)])
     assert fit.separable and fit.host_s_per_byte == pytest.approx(20e-9, rel=0.05)
+    # One size at two rates: the wire binds at one and the hosts at the other, which tells them apart too.
+    truth = LinkModel(alpha_s=1e-3, host_s_per_byte=20e-9)
+    fit = fit_link([(4e6, 2, r, truth.allreduce_s(4e6, 2, r)) for r in (100e6, 10 * GBIT)])
+    assert fit.separable and fit.alpha_s == pytest.approx(1e-3, rel=0.05)
+    assert fit.host_s_per_byte == pytest.approx(20e-9, rel=0.05)
 
 
 def test_main_notes_a_fit_it_could_not_separate_and_buckets_quicker_than_the_wire(result, tmp_path, capsys):

@@ -26,6 +26,7 @@ the others' step k in every psum -- fails on every rank instead of training on s
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -185,6 +186,8 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
     programs: dict = {}  # per (static, impls[, weighted]): the compiled program
 
     if strategy == "pmap":
+        local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:world]), (DATA_AXIS,))  # (pmap's own)
+
         def step(static, params, state, batch, scale=None, steps=0):  # noqa: ARG001 -- one process: no joins, one count
             state = _state_arrays(state)
             impls = _key_impls(state)
@@ -197,11 +200,14 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
                     in_axes=(None, 0), devices=jax.local_devices()[:world])
             split = _split_for_devices(batch, world)
             state_data = _keys_as_data(state, impls)
-            if not hlo:
-                hlo.update(hlo_facts(fn_.lower((params, state_data), split).compile().as_text()))
-            loss, aux, new_state, grads = fn_((params, state_data), split)
-            first = lambda tree: jax.tree.map(lambda g: g[0], tree)  # noqa: E731
-            return loss[0], first(aux), _data_as_keys(first(new_state), impls), first(grads), None
+            # The first device's row, as a one-device array (not a view of pmap's two-device output: under a
+            # script's own mesh, an array of our mesh cannot meet the script's in one operation).
+            first = lambda tree: jax.tree.map(lambda g: g.addressable_data(0)[0], tree)  # noqa: E731
+            with _under(local_mesh):
+                if not hlo:
+                    hlo.update(hlo_facts(fn_.lower((params, state_data), split).compile().as_text()))
+                loss, aux, new_state, grads = fn_((params, state_data), split)
+            return first(loss), first(aux), _data_as_keys(first(new_state), impls), first(grads), None
 
         return Step(step, hlo)
 
@@ -238,7 +244,7 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
         # Under the processes' mesh: a mesh the script set around its training loop (jax.set_mesh, as
         # Flax's nnx.with_partitioning examples do) made shard_map refuse ours ("the context mesh ...
         # should match the mesh passed to shard_map").
-        with jax.set_mesh(mesh):
+        with _under(mesh):
             if not hlo:
                 hlo.update(hlo_facts(fn_.lower(*args).compile().as_text()))
             loss, aux, new_state, counts, grads = fn_(*args)
@@ -277,8 +283,14 @@ def make_reduce(strategy: str, plan: BucketPlan, layout: Layout, world: int):
         # One process: every device already holds the same accumulated gradients.
         n = world
         fn = jax.pmap(reduced, axis_name=DATA_AXIS, devices=jax.local_devices()[:n])
-        return lambda grads, steps=0: (jax.tree.map(lambda g: g[0], fn(jax.tree.map(
-            lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), grads))), None)
+        local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:n]), (DATA_AXIS,))  # (pmap's own)
+
+        def reduce_pmap(grads, steps: int = 0):  # noqa: ARG001 -- one process, one count
+            with _under(local_mesh):
+                out = fn(jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), grads))
+            return jax.tree.map(lambda g: g.addressable_data(0)[0], out), None  # (one-device arrays: see make_step)
+
+        return reduce_pmap
 
     devices, _ = process_devices(world)
     mesh = jax.sharding.Mesh(np.array(devices), (DATA_AXIS,))
@@ -291,11 +303,19 @@ def make_reduce(strategy: str, plan: BucketPlan, layout: Layout, world: int):
     def reduce(grads, steps: int = 0):
         stacked = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharded, np.asarray(x)[None]),
                                grads)
-        with jax.set_mesh(mesh):  # (whatever mesh the script set: see make_step)
+        with _under(mesh):  # (whatever mesh the script set: see make_step)
             out, counts = fn(stacked, _process_rows(sharded, np.asarray([steps], np.int32), "steps"))
         return jax.tree.map(lambda g: g.addressable_data(0), out), _counts(counts)
 
     return reduce
+
+
+def _under(mesh):
+    """`mesh` as the context mesh: a script that trains inside its own `jax.set_mesh(...)` (Flax's
+    nnx.with_partitioning examples) made shard_map and pmap refuse ours ("the context mesh ... should match
+    the mesh passed to shard_map"). JAX before 0.7.1 has no jax.set_mesh, nor such a context to leave."""
+    set_mesh = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "use_mesh", None)
+    return set_mesh(mesh) if set_mesh is not None else contextlib.nullcontext()
 
 
 def hlo_facts(hlo_text: str) -> dict:

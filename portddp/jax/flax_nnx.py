@@ -198,6 +198,12 @@ def _plain_attributes(model) -> dict:
     return out
 
 
+def _signature(tree) -> tuple:
+    """What a jit trace of `tree` is reused for: its structure and each leaf's shape and dtype."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((jnp.shape(x), jnp.result_type(x)) if hasattr(x, "dtype") else type(x) for x in leaves)
+
+
 def _set_plain_attributes(model, changes) -> None:
     nnx = _nnx()
     nodes = {tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
@@ -212,10 +218,12 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
 
     nnx = _nnx()
     checked = checked_loss(loss_fn, has_aux, via="nnx_value_and_grad")
-    # Plain Python attributes loss_fn changed (a call counter, a flag), per GraphDef: found while the step
-    # is traced, and set on the model after each step, as nnx.value_and_grad and nnx.jit leave them. (The
-    # GraphDef holds them, so the next step, with the new values, is traced afresh -- as under nnx.jit.)
+    # Plain Python attributes loss_fn changed (a call counter, a flag; the shape of the last batch): found
+    # while the step is traced, and set on the model after each step, as nnx.value_and_grad and nnx.jit
+    # leave them. A trace is reused for the same GraphDef (which holds them: a new value means a new trace,
+    # as under nnx.jit) and the same shapes and dtypes of everything else, so that is what they are kept by.
     plain_changes: dict = {}
+    traced: list = []
 
     def pure(graphdef, params, state, batch):
         # copy=True: fresh Variables owned by this trace (the step differentiates inside jit, and
@@ -224,8 +232,8 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         before = _plain_attributes(model)
         loss, aux = checked(model, batch)
         after = _plain_attributes(model)
-        plain_changes[graphdef] = tuple((k, v) for k, v in after.items() if k not in before or before[k] is not v
-                                        and before[k] != v)
+        traced.append(tuple((k, v) for k, v in after.items() if k not in before or before[k] is not v
+                            and before[k] != v))
         _, _, buffers, other = split(model, paths(state[1]), ddp._nnx_wrt)
         return loss, (aux, (buffers, other))
 
@@ -236,10 +244,15 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
             raise TypeError(f"nnx_value_and_grad's grad_fn takes (model, batch) with an nnx.Module; got "
                             f"{type(model).__name__}: for a parameter pytree use ddp.value_and_grad(loss_fn)")
         graphdef, params, buffers, other = split_for(ddp, model)
+        key = (graphdef, _signature((params, buffers, other, batch)))
+        traced.clear()
         loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
         nnx.update(model, buffers, other)
-        if batch is not ddp.JOINED and plain_changes.get(graphdef):
-            _set_plain_attributes(model, plain_changes[graphdef])
+        if batch is not ddp.JOINED:
+            if traced:  # traced by this call (its last trace, if it traced twice: they saw the same inputs)
+                plain_changes[key] = traced[-1]
+            if plain_changes.get(key):
+                _set_plain_attributes(model, plain_changes[key])
         return ((loss, aux) if has_aux else loss), grads
 
     return grad_fn
