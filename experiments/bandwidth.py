@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.overlap import Config as OverlapConfig
-from harness.calibrate import matched_rate, run_overlap
+from harness.calibrate import OverlapConfig, matched_rate, run_overlap
 from harness.config import parse_config
 from harness.results import write_result
 from portddp import cluster

@@ -7,20 +7,11 @@ with the no-communication step of each framework as the floor.
 
 from __future__ import annotations
 
-import dataclasses
-
 from harness import runner
+from harness.calibrate import OverlapConfig as Config  # (there: the bandwidth sweep checks its options too)
 from harness.config import parse_config
 
 OVERLAP_SWITCH = ("torch-c10d", "torch-mpi", "jax-hooked")  # native and compiled have no such switch
-
-
-@dataclasses.dataclass
-class Config(runner.ExperimentConfig):
-    impls: tuple[str, ...] = dataclasses.field(
-        default=("native", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "torch-local", "jax-local"),
-        metadata={"help": "implementations"})
-    bucket_cap_mb: float = dataclasses.field(default=4.0, metadata={"help": "bucket cap (MB): several buckets"})
 
 
 def variants(cfg: Config, world):

@@ -6,15 +6,28 @@ wire as the backward pass computes (`portddp run overlap --hosts 2 --link matche
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
+from harness.runner import ExperimentConfig
 from portddp import cluster
 
-__all__ = ["run_overlap", "matched_rate"]
+__all__ = ["OverlapConfig", "run_overlap", "matched_rate"]
+
+
+@dataclasses.dataclass
+class OverlapConfig(ExperimentConfig):
+    """The overlap experiment's options (experiments/overlap.py), here so that the runs started from the
+    harness -- the calibration, the bandwidth sweep -- can check them before a cluster is made."""
+
+    impls: tuple[str, ...] = dataclasses.field(
+        default=("native", "torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "torch-local", "jax-local"),
+        metadata={"help": "implementations"})
+    bucket_cap_mb: float = dataclasses.field(default=4.0, metadata={"help": "bucket cap (MB): several buckets"})
 
 
 def run_overlap(n: int, hosts: int, link: str, out_dir: str, extra: list[str]) -> dict:

@@ -248,25 +248,35 @@ def _ours() -> set[str]:
         w.rstrip(":").split("@")[0] for w in links.split() if w.startswith(cluster.PREFIX)}
 
 
+def _h0_to_h1(c, port: int, receiver: str, sender: str) -> tuple[str, str]:
+    """A TCP connection from host h0 to h1 of cluster `c`: `receiver` runs on h1 with the accepted socket as `c`,
+    `sender` on h0 with the connected one as `s` (both with socket and time imported); their outputs."""
+    head = "import socket,time\n"
+    listening = subprocess.Popen([*c.exec_prefix(1), sys.executable, "-c", (
+        f"{head}s=socket.create_server(('{c.addresses[1]}', {port})); c,_=s.accept()\n{receiver}")],
+        stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    sent = subprocess.run([*c.exec_prefix(0), sys.executable, "-c", (
+        f"{head}s=socket.create_connection(('{c.addresses[1]}', {port}))\n{sender}")], check=True, timeout=60,
+        capture_output=True, text=True).stdout
+    return listening.communicate(timeout=60)[0], sent
+
+
 @needs_cluster
 def test_a_shaped_link_carries_its_rate_and_everything_is_removed():
     """A TCP stream between two hosts of a 500 Mbit/s cluster: within 10 % of the rate; nothing left after."""
     with cluster.Cluster(2, "500mbit") as c:
-        receiver = subprocess.Popen([*c.exec_prefix(1), sys.executable, "-c", (
-            "import socket,time\n"
-            f"s=socket.create_server(('{c.addresses[1]}', 5201)); c,_=s.accept(); n=0; t=None\n"
+        bps, _ = _h0_to_h1(c, 5201, receiver=(
+            "n=0; t=None\n"
             "while True:\n"
             "    d=c.recv(1<<20)\n"
             "    if not d: break\n"
             "    t=t or time.perf_counter(); n+=len(d)\n"
-            "print(n*8/(time.perf_counter()-t))\n")], stdout=subprocess.PIPE, text=True)
-        time.sleep(0.5)
-        subprocess.run([*c.exec_prefix(0), sys.executable, "-c", (
-            "import socket,time\n"
-            f"s=socket.create_connection(('{c.addresses[1]}', 5201)); b=b'x'*(1<<20)\n"
+            "print(n*8/(time.perf_counter()-t))\n"), sender=(
+            "b=b'x'*(1<<20)\n"
             "for _ in range(60): s.sendall(b)\n"
-            "s.close()\n")], check=True, timeout=60)
-        bps = float(receiver.communicate(timeout=60)[0])
+            "s.close()\n"))
+        bps = float(bps)
         sent = c.interface_bytes()[0]["tx_bytes"]
         setup_s = c.setup_s
     assert 0.90 * 5e8 <= bps <= 1.10 * 5e8, f"measured {bps / 1e6:.0f} Mbit/s on a 500 Mbit/s link"
@@ -280,22 +290,16 @@ def test_a_small_message_takes_its_wire_time():
     """128 KiB over a 20 Mbit/s link: at least 80 % of its 52 ms on the wire (the token bucket lets only a few
     frames pass at full speed), and not much more."""
     with cluster.Cluster(2, "20mbit") as c:
-        receiver = subprocess.Popen([*c.exec_prefix(1), sys.executable, "-c", (
-            "import socket\n"
-            f"s=socket.create_server(('{c.addresses[1]}', 5202)); c,_=s.accept(); n=0\n"
+        _, took = _h0_to_h1(c, 5202, receiver=(
+            "n=0\n"
             "while n < 3 * (128 << 10):\n"
             "    n += len(c.recv(1 << 20))\n"
-            "    if n % (128 << 10) == 0: c.sendall(b'k')\n")])
-        time.sleep(0.5)
-        took = subprocess.run([*c.exec_prefix(0), sys.executable, "-c", (
-            "import socket,time\n"
-            f"s=socket.create_connection(('{c.addresses[1]}', 5202)); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\n"
-            "r=[]\n"
+            "    if n % (128 << 10) == 0: c.sendall(b'k')\n"), sender=(
+            "s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); r=[]\n"
             "for _ in range(3):\n"
             "    time.sleep(0.2); t=time.perf_counter(); s.sendall(b'x' * (128 << 10)); s.recv(1)\n"
             "    r.append(time.perf_counter() - t)\n"
-            "print(min(r))\n")], check=True, timeout=60, capture_output=True, text=True).stdout
-        receiver.wait(timeout=30)
+            "print(min(r))\n"))
     wire = (128 << 10) * 8 / 20e6
     assert 0.8 * wire <= float(took) <= 2.0 * wire, f"{float(took) * 1e3:.1f} ms for {wire * 1e3:.1f} ms on the wire"
 
