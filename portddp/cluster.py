@@ -415,7 +415,7 @@ def _signals_held():
         return
     arrived: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: arrived.append(signum)) for sig in _STOPS
-                if signal.getsignal(sig) is not signal.SIG_IGN}
+                if signal.getsignal(sig) not in (signal.SIG_IGN, None)}  # (None: a handler set outside Python)
     try:
         yield
     finally:
