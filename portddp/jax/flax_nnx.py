@@ -244,11 +244,13 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
             raise TypeError(f"nnx_value_and_grad's grad_fn takes (model, batch) with an nnx.Module; got "
                             f"{type(model).__name__}: for a parameter pytree use ddp.value_and_grad(loss_fn)")
         graphdef, params, buffers, other = split_for(ddp, model)
-        key = (graphdef, _signature((params, buffers, other, batch)))
+        inputs = (params, buffers, other, batch)
         traced.clear()
         loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
         nnx.update(model, buffers, other)
-        if batch is not ddp.JOINED:
+        # (only traces that changed something are kept: a model that changes none pays nothing per step)
+        if batch is not ddp.JOINED and (traced and traced[-1] or plain_changes):
+            key = (graphdef, _signature(inputs))
             if traced:  # traced by this call (its last trace, if it traced twice: they saw the same inputs)
                 plain_changes[key] = traced[-1]
             if plain_changes.get(key):
