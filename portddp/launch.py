@@ -248,7 +248,8 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
     run on (bound, or in a container)."""
     import numpy  # noqa: F401, PLC0415 -- loads its BLAS, so that the limit below reaches it
     import threadpoolctl  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+
+    from portddp.lazy import after_import  # noqa: PLC0415
 
     if num_threads is None:
         # On an emulated cluster (portddp.cluster) every "host" shares this machine's cores.
@@ -257,7 +258,8 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
         if hasattr(os, "sched_getaffinity"):  # (a rank bound to its cores, or a restricted container)
             share = min(share, len(os.sched_getaffinity(0)))
         num_threads = max(1, share)
-    torch.set_num_threads(num_threads)
+    # (in torch when a script imports it: a JAX-only job need not load torch)
+    after_import("torch", lambda torch: torch.set_num_threads(num_threads))
     threadpoolctl.threadpool_limits(num_threads)
     if not _xla_started():  # (XLA reads these when its CPU client starts)
         if "PJRT_NPROC" not in os.environ and "NPROC" not in os.environ:  # (the user's own win)

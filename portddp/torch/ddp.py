@@ -49,6 +49,7 @@ method names for the same roles. What PyTorch has that JAX has not:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -79,6 +80,25 @@ _REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}  # 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _eager(fn):
+    """`fn` kept out of torch.compile's graphs (it talks to other ranks), as
+    `torch._dynamo.disable(fn)` would -- without importing TorchDynamo (1.2 s of every rank's start)
+    in a process that never compiles: nothing traces while it is not loaded, so until then `fn` runs
+    as it is."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(dynamo.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return run
 
 
 def _layout_of(buffers) -> int:
@@ -500,7 +520,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
 
     # ---- one iteration: begin (the forward), trigger (a hook per parameter), pack, launch
 
-    @torch._dynamo.disable
+    @_eager
     def _pre_forward(self, *inputs, **kwargs):
         """Everything before the module runs (kept out of torch.compile's graph: it talks to other ranks)."""
         start = _now()
@@ -543,7 +563,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             inputs, kwargs = torch.utils._pytree.tree_map(move, (inputs, kwargs))
         return inputs, kwargs
 
-    @torch._dynamo.disable
+    @_eager
     def _post_forward(self, output):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         # Native's rule: buffers are synced before a forward only if the one before it synchronised.

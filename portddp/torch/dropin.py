@@ -26,8 +26,6 @@ kept the prefix -- checkpoints written before the swap did not load after it, no
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import logging
 import os
 import sys
@@ -36,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from portddp import launch
+from portddp.lazy import after_import
 
 __all__ = ["install", "recognise_in_checkpoints"]
 
@@ -89,29 +88,4 @@ def recognise_in_checkpoints(cls) -> None:
         if not isinstance(module.DDP, tuple):
             module.DDP = (module.DDP, cls)
 
-    if _DCP_STATE_DICT in sys.modules:
-        add(sys.modules[_DCP_STATE_DICT])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(_DCP_STATE_DICT, add))
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls `then(module)` once the module `name` has been executed, the first time it is imported."""
-
-    def __init__(self, name: str, then):
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # (once; and the lookup below must not find this finder again)
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                self.then(module)
-
-            spec.loader.exec_module = exec_module
-        return spec
+    after_import(_DCP_STATE_DICT, add)
