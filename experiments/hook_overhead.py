@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-from harness.measure import no_collection, rotated
+from harness.measure import frozen_heap, no_collection, rotated
 
 ROWS = ("local", "native", "c10d", "mpi", "mpi+view")
 
@@ -66,11 +66,12 @@ def measure(layers: int, rounds: int) -> dict[str, float]:
         for _ in range(20):
             step(k)
     taken: dict[str, list[int]] = {k: [] for k in rows}
-    for r in range(rounds):
-        for k in rotated(ROWS, r):
-            dist.barrier()
-            with no_collection():
-                taken[k] += [step(k) for _ in range(10)]
+    with frozen_heap():
+        for r in range(rounds):
+            for k in rotated(ROWS, r):
+                dist.barrier()
+                with no_collection():
+                    taken[k] += [step(k) for _ in range(10)]
     return {k: statistics.median(v) / 1e3 for k, v in taken.items()}
 
 

@@ -27,7 +27,7 @@ import time
 
 import portddp
 from harness.adapter import make_trainer
-from harness.measure import no_collection, rotated
+from harness.measure import frozen_heap, no_collection, rotated
 from harness.runner import MODELS, VIEW_OF, bench_workload
 from portddp import malloc
 from portddp.transport import get_transport
@@ -89,10 +89,11 @@ def main(argv: list[str]) -> None:
         barrier = get_transport().barrier if world.size > 1 else None
         order += [(f"{i}+lockstep", (t, barrier)) for i, t in trainers.items()]
     steps = {label: [] for label, _ in order}
-    for r in range(rounds):
-        for label, (trainer, sync) in rotated(order, r):
-            with no_collection():
-                steps[label] += [timed_step(trainer, sync) for _ in range(3)]
+    with frozen_heap():
+        for r in range(rounds):
+            for label, (trainer, sync) in rotated(order, r):
+                with no_collection():
+                    steps[label] += [timed_step(trainer, sync) for _ in range(3)]
     for label, taken in steps.items():
         total = statistics.median(sum(s[p][0] for p in PHASES) for s in taken) * 1e3
         parts = "  ".join(f"{p} {statistics.median(s[p][0] for s in taken) * 1e3:.1f} / "

@@ -53,6 +53,20 @@ def no_collection() -> Iterator[None]:
         gc.enable()
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Collect once, then leave every object alive now out of the collections until the block ends
+    (`gc.freeze`): the collections `no_collection` and `Memory.start` make inside it walk only what
+    was made since. A full one walks what torch, JAX and the trainers made -- 0.1-0.25 s each here,
+    a third of a small experiment's run. (Not nested: leaving the block unfreezes everything.)"""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def thread_group(py_name: str | None, os_name: str, is_main: bool) -> str:
     """The group of one thread, from its Python name (threads Python started) or its OS name."""
     if is_main:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import portddp
 from harness.adapter import IMPLEMENTATIONS, Workload, check_implementations, make_trainer
-from harness.measure import GROUPS, CpuMeter, Memory, no_collection, rotated
+from harness.measure import GROUPS, CpuMeter, Memory, frozen_heap, no_collection, rotated
 from harness.results import environment, median, out_dir_problem, write_result
 from portddp import cluster, malloc
 from portddp.launch import detect
@@ -115,36 +115,38 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
         say(f"  [{g}/{len(groups)}] {group}: {_workload(cfg, members[0]).describe()}; building "
             f"and warming up {len(members)} variant(s)", flush=True)
         trainers, peak_mb = {}, {}
-        for v in members:
-            # Built and warmed up one at a time, so that each one's peak resident memory is its own.
-            memory.start()
-            trainers[v.label] = t = make_trainer(v.impl, _workload(cfg, v), world, **v.knobs)
-            for _ in range(cfg.warmup if v.warmup is None else v.warmup):
-                t.step()
-            peak_mb[v.label] = memory.peak_mb()
+        with frozen_heap():
+            for v in members:
+                # Built and warmed up one at a time, so that each one's peak resident memory is its own.
+                memory.start()
+                trainers[v.label] = t = make_trainer(v.impl, _workload(cfg, v), world, **v.knobs)
+                for _ in range(cfg.warmup if v.warmup is None else v.warmup):
+                    t.step()
+                peak_mb[v.label] = memory.peak_mb()
         times = {label: [] for label in trainers}
         stats = {label: [] for label in trainers}
         cpu = {label: CpuMeter() for label in trainers}
         wire = {label: [] for label in trainers}  # on the emulated cluster: bytes this host sent per step
         order = list(trainers.items())
-        for _ in range(cfg.warmup_rounds):
-            for _label, t in order:
-                for _ in range(cfg.steps_per_round):
-                    t.step()
-        for r in range(max(v.rounds or cfg.rounds for v in members)):
-            for label, t in rotated(order, r):
-                with no_collection():
-                    # (every turn starts together: else a communicating variant's first step would
-                    # include its peers' lateness -- their collection, a local variant's drift)
-                    before = _settled_interface_bytes()
-                    cpu[label].start()
+        with frozen_heap():  # (the trainers too: the collection before each turn walks what the steps made)
+            for _ in range(cfg.warmup_rounds):
+                for _label, t in order:
                     for _ in range(cfg.steps_per_round):
-                        times[label].append(t.step())
-                        stats[label].append(t.stats())
-                    cpu[label].stop(cfg.steps_per_round)
-                    after = _settled_interface_bytes()
-                if before is not None:
-                    wire[label].append((after["tx_bytes"] - before["tx_bytes"]) / cfg.steps_per_round)
+                        t.step()
+            for r in range(max(v.rounds or cfg.rounds for v in members)):
+                for label, t in rotated(order, r):
+                    with no_collection():
+                        # (every turn starts together: else a communicating variant's first step would
+                        # include its peers' lateness -- their collection, a local variant's drift)
+                        before = _settled_interface_bytes()
+                        cpu[label].start()
+                        for _ in range(cfg.steps_per_round):
+                            times[label].append(t.step())
+                            stats[label].append(t.stats())
+                        cpu[label].stop(cfg.steps_per_round)
+                        after = _settled_interface_bytes()
+                    if before is not None:
+                        wire[label].append((after["tx_bytes"] - before["tx_bytes"]) / cfg.steps_per_round)
         # A step of a synchronous job takes as long as its slowest rank's: so does each step's time
         # here, for every variant alike (a local variant's rank that is slower by itself is the
         # bound a communicating one meets; rank 0's time alone would hide it from the limit).

@@ -195,6 +195,35 @@ def test_cpu_meter_reports_the_median_turn():
     assert CpuMeter().per_step()["total"] == 0.0
 
 
+def test_a_frozen_heap_still_collects_what_the_steps_leave():
+    """The runner freezes what is alive before its timed turns, so the collection before each turn
+    walks only what was made since: cycles the steps leave are still collected there, the frozen
+    objects are left alone, and everything is collectable again after the block."""
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    from harness.measure import frozen_heap, no_collection  # noqa: PLC0415
+
+    class Node:
+        def __init__(self):
+            self.me = self  # a cycle: only the collector frees it
+
+    old = Node()
+    gone_old = weakref.ref(old)
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+        del old
+        step_garbage = Node()
+        gone_new = weakref.ref(step_garbage)
+        del step_garbage
+        with no_collection():
+            assert gone_new() is None  # made inside the block: collected before the turn
+        assert gone_old() is not None  # frozen: left alone
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone_old() is None
+
+
 @pytest.mark.parametrize("bind", ["cores", "none"])
 def test_portddp_run_binds_each_rank_to_its_share_of_the_cores(tmp_path, bind):
     """`portddp run` gives each rank its own physical cores out of those it may use (mpirun
