@@ -152,12 +152,13 @@ class NnxCase:
         self.ddp.broadcast(self.model)
         self.opt = nnx.Optimizer(self.model, optax.adamw(1e-2), wrt=nnx.Param)
         self.grad_fn = self.ddp.nnx_value_and_grad(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+        self.update = nnx.jit(lambda opt, model, grads: opt.update(model, grads))  # (one program, not op by op)
 
     def train(self, start, stop):
         for step in range(start, stop):
             _, grads = self.grad_fn(self.model, regression_batch(5, step, WORLD.rank, BATCH, IN, OUT_DIM,
                                                                  dtype=self.dtype))
-            self.opt.update(self.model, grads)
+            self.update(self.opt, self.model, grads)
 
     def digest(self):
         return digest(np.asarray(x) for x in jax.tree.leaves(self.nnx.state(self.model, self.nnx.Param)))
