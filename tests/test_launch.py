@@ -101,6 +101,25 @@ def test_init_gives_xla_one_compute_thread_per_rank_share():
     assert "XLA-THREADS 1 1" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_a_jax_rank_loads_neither_torch_nor_torchdynamo_and_torch_still_gets_its_threads():
+    """A rank's start pays for what it uses: init(torch_distributed=False) loads no torch (~1 s), yet
+    a script that imports torch afterwards gets init's thread count there; importing portddp.torch
+    and training a step loads no TorchDynamo (1.2 s: only torch.compile needs it)."""
+    code = ("import sys, portddp\n"
+            "portddp.init(num_threads=1, torch_distributed=False, watchdog=False)\n"
+            "print('TORCH-LOADED', 'torch' in sys.modules)\n"
+            "import torch\n"
+            "print('TORCH-THREADS', torch.get_num_threads())\n"
+            "from portddp.torch import DistributedDataParallel\n"
+            "m = DistributedDataParallel(torch.nn.Linear(4, 4), transport='mpi')\n"
+            "m(torch.ones(2, 4)).sum().backward()\n"
+            "print('DYNAMO-LOADED', 'torch._dynamo' in sys.modules, m.module.weight.grad is not None)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TORCH-LOADED False" in proc.stdout and "TORCH-THREADS 1" in proc.stdout, proc.stdout
+    assert "DYNAMO-LOADED False True" in proc.stdout, proc.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_nccl_without_cuda_says_so():
     code = "import portddp; portddp.init(backend='nccl')"
