@@ -251,6 +251,9 @@ def _pin_threads(w: World, num_threads: int | None) -> int:
 
     from portddp.lazy import after_import  # noqa: PLC0415
 
+    if num_threads is not None and not (isinstance(num_threads, int) and num_threads >= 1):
+        raise ValueError(f"portddp.init(num_threads={num_threads!r}): pass a whole number of threads, 1 or more "
+                         "(or leave it out: the host's cores over its ranks)")
     if num_threads is None:
         # On an emulated cluster (portddp.cluster) every "host" shares this machine's cores.
         sharing = w.size if "PORTDDP_CLUSTER" in os.environ else w.local_size

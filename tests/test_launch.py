@@ -113,11 +113,50 @@ def test_a_jax_rank_loads_neither_torch_nor_torchdynamo_and_torch_still_gets_its
             "from portddp.torch import DistributedDataParallel\n"
             "m = DistributedDataParallel(torch.nn.Linear(4, 4), transport='mpi')\n"
             "m(torch.ones(2, 4)).sum().backward()\n"
-            "print('DYNAMO-LOADED', 'torch._dynamo' in sys.modules, m.module.weight.grad is not None)\n")
+            "print('DYNAMO-LOADED', 'torch._dynamo' in sys.modules, m.module.weight.grad is not None)\n"
+            "torch.optim.SGD(m.parameters(), lr=0.1).step()  # (PyTorch loads TorchDynamo here)\n"
+            "print('DISABLED', [getattr(f, '_torchdynamo_disable', False) for f in\n"
+            "                   (DistributedDataParallel._pre_forward, DistributedDataParallel._post_forward)])\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TORCH-LOADED False" in proc.stdout and "TORCH-THREADS 1" in proc.stdout, proc.stdout
     assert "DYNAMO-LOADED False True" in proc.stdout, proc.stdout
+    # once it is loaded, what talks to other ranks is kept out of compiled graphs, as native's is
+    assert "DISABLED [True, True]" in proc.stdout, proc.stdout
+
+
+def test_a_setting_for_a_module_not_yet_imported_survives_lookups_and_failed_imports(tmp_path):
+    """after_import acts at the module's first successful import: not at a lookup
+    (importlib.util.find_spec, as libraries probe for torch), nor at an import that fails; an action
+    that raises is logged, never raised into the script's import."""
+    (tmp_path / "flaky.py").write_text(
+        "import os\nif not os.environ.get('FLAKY_OK'):\n    raise ImportError('not yet')\nvalue = 1\n")
+    code = ("import importlib.util, os, sys\n"
+            "from portddp.lazy import after_import\n"
+            "seen = []\n"
+            "after_import('flaky', lambda m: seen.append(m.value))\n"
+            "after_import('flaky', lambda m: 1 / 0)\n"
+            "after_import('flaky', lambda m: seen.append(m.value + 1))\n"
+            "assert importlib.util.find_spec('flaky') is not None and seen == []\n"
+            "try:\n    import flaky\nexcept ImportError:\n    pass\n"
+            "os.environ['FLAKY_OK'] = '1'\n"
+            "import flaky\n"
+            "print('SEEN', seen, any(type(f).__name__ == '_AfterImport' for f in sys.meta_path))\n"
+            "after_import('flaky', lambda m: seen.append('now'))\n"
+            "print('LATER', seen)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SEEN [1, 2] False" in proc.stdout and "LATER [1, 2, 'now']" in proc.stdout, proc.stdout
+    assert "ZeroDivisionError" in proc.stderr  # (logged)
+
+
+def test_num_threads_is_checked_when_init_is_called():
+    import portddp  # noqa: PLC0415
+
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(ValueError, match=rf"num_threads={bad!r}\): pass a whole number of threads, 1 or more"):
+            portddp.init(num_threads=bad, torch_distributed=False, watchdog=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")

@@ -49,7 +49,6 @@ method names for the same roles. What PyTorch has that JAX has not:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import time
@@ -64,6 +63,7 @@ from portddp import launch, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_as_registered, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
+from portddp.lazy import after_import
 from portddp.protocol import (SHADOW, buffer_layout, buffer_sync_header, check_buffer_sync_header,
                               check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
                               check_same_step, hook_result_error, nonfinite_error,
@@ -80,25 +80,6 @@ _REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}  # 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _eager(fn):
-    """`fn` kept out of torch.compile's graphs (it talks to other ranks), as
-    `torch._dynamo.disable(fn)` would -- without importing TorchDynamo (1.2 s of every rank's start)
-    in a process that never compiles: nothing traces while it is not loaded, so until then `fn` runs
-    as it is."""
-    disabled = []
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None:
-            return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(dynamo.disable(fn))
-        return disabled[0](*args, **kwargs)
-
-    return run
 
 
 def _layout_of(buffers) -> int:
@@ -520,7 +501,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
 
     # ---- one iteration: begin (the forward), trigger (a hook per parameter), pack, launch
 
-    @_eager
     def _pre_forward(self, *inputs, **kwargs):
         """Everything before the module runs (kept out of torch.compile's graph: it talks to other ranks)."""
         start = _now()
@@ -563,7 +543,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             inputs, kwargs = torch.utils._pytree.tree_map(move, (inputs, kwargs))
         return inputs, kwargs
 
-    @_eager
     def _post_forward(self, output):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         # Native's rule: buffers are synced before a forward only if the one before it synchronised.
@@ -1075,6 +1054,18 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             extra["autotune"] = self._tuner.summary()
         return self._last_events.stats() | extra
 
+
+
+def _outside_compiled_graphs(dynamo) -> None:
+    """What runs before and after the module talks to other ranks: torch.compile must not trace it
+    (`torch._dynamo.disable`, as native DDP's own). Applied when TorchDynamo is loaded -- by
+    torch.compile, or by PyTorch itself at the first optimizer step -- not at import, which would
+    load it (1.2 s) in a process that never needs it."""
+    for name in ("_pre_forward", "_post_forward"):
+        setattr(DistributedDataParallel, name, dynamo.disable(DistributedDataParallel.__dict__[name]))
+
+
+after_import("torch._dynamo", _outside_compiled_graphs)
 
 def _named_specs(named) -> list[tuple[str, tuple, str]]:
     """(name, shape, dtype) of each (name, tensor): what the model check compares across ranks."""
