@@ -1055,7 +1055,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         return self._last_events.stats() | extra
 
 
-
 def _outside_compiled_graphs(dynamo) -> None:
     """What runs before and after the module talks to other ranks: torch.compile must not trace it
     (`torch._dynamo.disable`, as native DDP's own). Applied when TorchDynamo is loaded -- by
