@@ -175,7 +175,8 @@ def test_under_torchrun_with_c10d(tmp_path):
 
     torchrun = shutil.which("torchrun", path=str(mpi._BIN))
     proc = subprocess.run([torchrun, "--nproc-per-node=2", "-m", "tests.workers.torch_equivalence", "c10d"],
-                          cwd=mpi.ROOT, env={**os.environ, "PORTDDP_RESULTS": str(tmp_path)},
+                          # (TMPDIR: torchrun leaves its log directory behind, here not in /tmp)
+                          cwd=mpi.ROOT, env={**os.environ, "PORTDDP_RESULTS": str(tmp_path), "TMPDIR": str(tmp_path)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(2):
