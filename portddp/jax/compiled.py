@@ -186,7 +186,7 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
     programs: dict = {}  # per (static, impls[, weighted]): the compiled program
 
     if strategy == "pmap":
-        local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:world]), (DATA_AXIS,))  # (pmap's own)
+        local_mesh = _pmap_mesh(world)
 
         def step(static, params, state, batch, scale=None, steps=0):  # noqa: ARG001 -- one process: no joins, one count
             state = _state_arrays(state)
@@ -200,14 +200,12 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
                     in_axes=(None, 0), devices=jax.local_devices()[:world])
             split = _split_for_devices(batch, world)
             state_data = _keys_as_data(state, impls)
-            # The first device's row, as a one-device array (not a view of pmap's two-device output: under a
-            # script's own mesh, an array of our mesh cannot meet the script's in one operation).
-            first = lambda tree: jax.tree.map(lambda g: g.addressable_data(0)[0], tree)  # noqa: E731
             with _under(local_mesh):
                 if not hlo:
                     hlo.update(hlo_facts(fn_.lower((params, state_data), split).compile().as_text()))
                 loss, aux, new_state, grads = fn_((params, state_data), split)
-            return first(loss), first(aux), _data_as_keys(first(new_state), impls), first(grads), None
+            return (_first_row(loss), _first_row(aux), _data_as_keys(_first_row(new_state), impls), _first_row(grads),
+                    None)
 
         return Step(step, hlo)
 
@@ -248,8 +246,7 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
             if not hlo:
                 hlo.update(hlo_facts(fn_.lower(*args).compile().as_text()))
             loss, aux, new_state, counts, grads = fn_(*args)
-        mine_ = lambda tree: jax.tree.map(lambda g: g.addressable_data(0)[0], tree)  # noqa: E731
-        return (loss.addressable_data(0)[0], mine_(aux), _data_as_keys(mine_(new_state), impls),
+        return (_first_row(loss), _first_row(aux), _data_as_keys(_first_row(new_state), impls),
                 jax.tree.map(lambda g: g.addressable_data(0), grads), _counts(counts))
 
     return Step(step, hlo)
@@ -283,12 +280,12 @@ def make_reduce(strategy: str, plan: BucketPlan, layout: Layout, world: int):
         # One process: every device already holds the same accumulated gradients.
         n = world
         fn = jax.pmap(reduced, axis_name=DATA_AXIS, devices=jax.local_devices()[:n])
-        local_mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:n]), (DATA_AXIS,))  # (pmap's own)
+        local_mesh = _pmap_mesh(n)
 
         def reduce_pmap(grads, steps: int = 0):  # noqa: ARG001 -- one process, one count
             with _under(local_mesh):
                 out = fn(jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n, *np.shape(x))), grads))
-            return jax.tree.map(lambda g: g.addressable_data(0)[0], out), None  # (one-device arrays: see make_step)
+            return _first_row(out), None
 
         return reduce_pmap
 
@@ -308,6 +305,18 @@ def make_reduce(strategy: str, plan: BucketPlan, layout: Layout, world: int):
         return jax.tree.map(lambda g: g.addressable_data(0), out), _counts(counts)
 
     return reduce
+
+
+def _pmap_mesh(n: int):
+    """The mesh of the devices pmap maps over (see _under)."""
+    return jax.sharding.Mesh(np.array(jax.local_devices()[:n]), (DATA_AXIS,))
+
+
+def _first_row(tree):
+    """Each leaf's row on this process's first device, as a one-device array (not a view of a
+    several-device output: under a script's own mesh, an array of ours cannot meet the script's in one
+    operation)."""
+    return jax.tree.map(lambda g: g.addressable_data(0)[0], tree)
 
 
 def _under(mesh):
