@@ -190,6 +190,17 @@ def check_same_buffers(everyone: Sequence[Sequence]) -> None:
     check_same_specs(lists, "model mismatch across ranks (the buffers rank 0 broadcasts)", "buffer", "buffers")
 
 
+def agreed_strides(everyone: Sequence[Sequence], count: int) -> list[tuple | None]:
+    """The fifth item of the model check (a PyTorch rank's parameters' strides, where one is laid
+    out densely in another order than C's -- channels_last, a transposed weight -- else None):
+    per parameter, the strides every rank sent alike, else None. Native's reducer lays such a
+    gradient out in its bucket slot in memory order; portddp does where every rank would lay it
+    out the same -- else (strides differ across ranks, which native refuses, or a JAX rank of a
+    mixed job, which sends none) in C order, the same slot for the same element everywhere."""
+    lists = [e[4] if len(e) > 4 and e[4] is not None else [None] * count for e in everyone]
+    return [ours if all(theirs[i] == ours for theirs in lists) else None for i, ours in enumerate(lists[0])]
+
+
 SHADOW = 0  # the step slot of a rank that shadows the others in join(): not compared
 
 

@@ -21,7 +21,8 @@ SCENARIOS = [
     "static_graph_ignored_output", "undefined_grad", "rewrap",
     "init_sync_false", "forward_sync_buffers_false", "delay_all_reduce",
     "frozen_per_rank_init", "checkpoint_last_reentrant", "static_graph_shared_checkpointed", "module_microsteps",
-    "copies", "zero_size_param", "channels_last", "channels_last_view", "freeze_later_unused",
+    "copies", "zero_size_param", "channels_last", "channels_last_view", "channels_last_powersgd",
+    "freeze_later_unused",
     "late_fp16", "late_fp16_after_eval_forward", "builtin_allreduce", "builtin_fp16_compress",
     "post_accumulate_hook_after_wrap", "unused_buckets_as_native", "buffer_registered_after_wrap",
     "complex_allreduce_hook", "pruned_after_wrap", "frozen_teacher", "static_graph_dataclass_output", "checkpoint_state_dict",
@@ -50,6 +51,7 @@ def test_trains_exactly_like_native_ddp(results, scenario):
         assert row.get("copy_refuses_backward", True), row  # copies: a deepcopy of portddp's wrapper refuses to train
         assert row.get("ranks_agree", True), row  # static_graph with a dataclass output: the ranks stay in step
         assert row.get("keys_as_native", True) and row.get("loaded_into_bare", True), row  # checkpoint_state_dict
+        assert row.get("grad_strides_as_native", True), row  # channels_last: .grad laid out as native's
 
 
 def test_native_attributes_and_module_interface(results):

@@ -64,7 +64,7 @@ from portddp.buckets import BucketPlan, ParamSpec, plan_as_registered, plan_buck
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
 from portddp.lazy import after_import
-from portddp.protocol import (SHADOW, buffer_layout, buffer_sync_header, check_buffer_sync_header,
+from portddp.protocol import (SHADOW, agreed_strides, buffer_layout, buffer_sync_header, check_buffer_sync_header,
                               check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
                               check_same_step, hook_result_error, nonfinite_error,
                               unused_parameters_error)
@@ -298,7 +298,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # rank with one buffer more, or of another dtype, would pair its broadcasts wrongly -- Gloo
         # then reinterprets the bytes (silently), MPI fails raw.
         self._check_buffers = bool(forward_sync_buffers or (init_sync and init_sync_buffers))
-        self._verify_same_model(specs)
+        # Each bucket slot's layout, fixed here for the DDP's life: memory order where every rank
+        # holds the parameter alike in another dense order than C's (as native's reducer), else C order.
+        self._slot_strides = agreed_strides(self._verify_same_model(specs), len(self._params))
         self._hook = None
         self._next_hook = None  # (hook, state) registered during an iteration: installed at the next one
         self._hook_state = None
@@ -368,19 +370,22 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         return [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type)
                 for n, p in zip(self._names, self._params)]
 
-    def _verify_same_model(self, specs: list[ParamSpec], frozen: bool = False) -> None:
+    def _verify_same_model(self, specs: list[ParamSpec], frozen: bool = False) -> list:
         """Compare every rank's parameter list (and, with `frozen`, its frozen parameters') with
-        rank 0's; name the first difference."""
+        rank 0's; name the first difference. Returns what every rank sent (its fifth item: the
+        parameters' memory-order strides, for agreed_strides)."""
         self._issue("model check")
         mine = _named_specs(self._frozen_named()) if frozen else None
         buffers = _named_specs((n, b) for n, b in self.module.named_buffers()
                                if n not in self.parameters_to_ignore) if self._check_buffers else None
         with watchdog.waiting():
             # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
-            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine, buffers])
+            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine, buffers,
+                                                    [_dense_strides(p) for p in self._params]])
         check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters")
         check_same_frozen(everyone)
         check_same_buffers(everyone)
+        return everyone
 
     def _frozen_named(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.module.named_parameters()
@@ -428,10 +433,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             for i, off in zip(bucket.params, bucket.offsets):
                 p = self._params[i]
                 self._bucket_of[i] = b
-                # C-contiguous, whatever p's strides (channels_last, say): the bucket's layout then
-                # depends on shapes alone, the same on every rank -- a rank whose parameter has other
-                # strides, or a JAX rank of a mixed job, packs the same element in the same slot.
-                self._views[i] = self._bucket_buffers[b][off:off + p.numel()].view(p.shape)
+                # In p's memory order where every rank agreed (channels_last, say: as native's reducer,
+                # so a comm hook reading bucket.gradients() -- C-order views of the slot, as native's --
+                # sees native's arrangement, and with gradient_as_bucket_view .grad has p's strides),
+                # else C order: the same element in the same slot on every rank, JAX ranks included.
+                slot, strides = self._bucket_buffers[b][off:off + p.numel()], self._slot_strides[i]
+                self._views[i] = slot.view(p.shape) if strides is None else slot.as_strided(p.shape, strides)
                 if self.gradient_as_bucket_view and p.grad is not None:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
@@ -1065,6 +1072,15 @@ def _outside_compiled_graphs(dynamo) -> None:
 
 
 after_import("torch._dynamo", _outside_compiled_graphs)
+
+def _dense_strides(t: torch.Tensor) -> tuple | None:
+    """t's strides where its elements fill their memory densely in another order than C's
+    (channels_last, a transposed weight); None for C order or a layout with gaps."""
+    if t.is_contiguous() or t.numel() == 0:
+        return None
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))  # outermost first (size-1 dims: any place)
+    return tuple(t.stride()) if t.permute(order).is_contiguous() else None
+
 
 def _named_specs(named) -> list[tuple[str, tuple, str]]:
     """(name, shape, dtype) of each (name, tensor): what the model check compares across ranks."""

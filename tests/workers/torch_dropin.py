@@ -609,8 +609,9 @@ class ChannelsLastNet(nn.Module):
 
 def layouts_and_freezing(transport):
     """Found by a bug hunt (2026-12-05): a zero-element parameter (c10d crashed copying the last
-    bucket's counts into it); channels_last weights (bucketed C-contiguous, where native lays
-    them out in memory order: the same sums); a layer frozen mid-training with
+    bucket's counts into it); channels_last weights (since 2026-12-06 bucketed in memory order, as
+    native's: PowerSGD on them is bitwise native's -- it was 5e-3 apart with C order --, and with
+    gradient_as_bucket_view .grad has native's strides); a layer frozen mid-training with
     find_unused_parameters (native treats it as unused; portddp refused it as a changed model)."""
     rank = dist.get_rank()
     # (2 KB: fc1's weight and bias fill a bucket, which the empty parameter then cannot join)
@@ -626,11 +627,21 @@ def layouts_and_freezing(transport):
             ddp(x).square().mean().backward()
             opt.step()
 
-    for view in (False, True):
+    def strides(ddp):
+        return [None if p.grad is None else p.grad.stride() for p in ddp.module.parameters()]
+
+    for view, hook in ((False, False), (True, False), (False, True)):
         models = [ChannelsLastNet().to(memory_format=torch.channels_last) for _ in range(2)]
         native = NativeDDP(models[0], gradient_as_bucket_view=view)
         ours = DistributedDataParallel(models[1], gradient_as_bucket_view=view, transport=transport)
-        compare(f"channels_last{'_view' if view else ''}", transport, native, ours, conv_steps)
+        if hook:  # PowerSGD reads each slot as a C-order matrix: the same elements as native's only
+            for ddp in (native, ours):  # if the slot holds them in the same (memory) order
+                ddp.register_comm_hook(powerSGD_hook.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=0.5),
+                    powerSGD_hook.powerSGD_hook)
+        name = "channels_last" + ("_view" if view else "") + ("_powersgd" if hook else "")
+        compare(name, transport, native, ours, conv_steps,
+                grad_strides_as_native=lambda native=native, ours=ours: strides(native) == strides(ours))
 
     def freeze_at_step_1(ddp):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
