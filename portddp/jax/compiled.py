@@ -55,10 +55,18 @@ class Step(NamedTuple):
     hlo: dict
 
 
-def psum_buckets(plan: BucketPlan, layout: Layout, leaves: list, axis_name: str, inv_world: float) -> list:
+def psum_buckets(plan: BucketPlan, layout: Layout, leaves: list, axis_name: str, inv_world: float,
+                 live=None) -> list:
     """Inside a compiled step: each bucket flattened, divided by the world size, summed with one
     psum, and split back. Takes and returns the pytree's leaf list (only JAX processes take part,
-    so the pytree's own layout will do)."""
+    so the pytree's own layout will do).
+
+    `live`: a boolean that is True at run time but that XLA cannot know, and that differs per
+    process as far as it can tell (derived from a process-sharded input). Each process traces its
+    own program, and XLA drops the psum of a bucket it finds constant -- a leaf this rank's loss
+    does not use has a zero gradient at compile time --, so without it that rank would issue one
+    all-reduce fewer and pair the next bucket's with its peers' (wrong sums, or a hang). Selecting
+    on it keeps every bucket's psum in every process's program, at no arithmetic cost."""
     out = list(leaves)
     for bucket in plan.buckets:
         flat = jnp.concatenate([leaves[layout.leaf_of[k]].reshape(-1) for k in bucket.params])
@@ -68,6 +76,8 @@ def psum_buckets(plan: BucketPlan, layout: Layout, leaves: list, axis_name: str,
             scaled = (flat.astype(jnp.float32) * jnp.float32(inv_world)).astype(flat.dtype)
         else:
             scaled = flat * jnp.asarray(inv_world, flat.dtype)
+        if live is not None:
+            scaled = jnp.where(live, scaled, scaled + 1)
         flat = jax.lax.psum(scaled, axis_name)
         for k, off in zip(bucket.params, bucket.offsets):
             i = layout.leaf_of[k]
@@ -119,9 +129,9 @@ def _split_for_devices(batch, n: int):
 
 
 def _reducer(plan: BucketPlan, layout: Layout, world: int):
-    def reduced(grads):
+    def reduced(grads, live=None):
         leaves, treedef = jax.tree.flatten(grads)
-        return jax.tree.unflatten(treedef, psum_buckets(plan, layout, leaves, DATA_AXIS, 1.0 / world))
+        return jax.tree.unflatten(treedef, psum_buckets(plan, layout, leaves, DATA_AXIS, 1.0 / world, live))
 
     return reduced
 
@@ -181,7 +191,8 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
         if strategy == "pmap":
             return jax.lax.pmean(loss, DATA_AXIS), aux, new_state, reduced(grads)
         rows = jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, aux, new_state))
-        return (*rows, jax.lax.all_gather(steps[0], DATA_AXIS), reduced(grads))
+        # (the step count is never negative: `live` keeps every bucket's psum, see psum_buckets)
+        return (*rows, jax.lax.all_gather(steps[0], DATA_AXIS), reduced(grads, live=steps[0] >= 0))
 
     programs: dict = {}  # per (static, impls[, weighted]): the compiled program
 
