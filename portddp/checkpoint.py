@@ -13,14 +13,17 @@
     ck = checkpoint.load("run/ckpt", ddp)
     params, opt_state, step = ck.params, ck.opt_state, ck.step
 
-    # Flax NNX with per-rank dropout: the model's random streams, each rank's own
+    # Flax NNX with per-rank dropout: the model's random streams, each rank's own; its other
+    # state (BatchNorm statistics, counters) as extra
+    buffers = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
     checkpoint.save("run/ckpt", ddp, step=step, params=nnx.state(model, nnx.Param).to_pure_dict(),
-                    opt_state=nnx.state(opt).to_pure_dict(),
+                    opt_state=nnx.state(opt).to_pure_dict(), extra=nnx.state(model, buffers).to_pure_dict(),
                     per_rank=nnx.state(model, nnx.RngState).to_pure_dict(), collective=True)
     ck = checkpoint.load("run/ckpt", ddp)   # then nnx.replace_by_pure_dict + nnx.update with
-                                            # ck.params, ck.opt_state and ck.per_rank
+                                            # ck.params, ck.opt_state, ck.extra and ck.per_rank
 
-What is saved: the parameters (and buffers), the optimizer state, the step,
+What is saved: the parameters (and, from PyTorch, the module's buffers; from JAX, what
+`extra=` holds), the optimizer state, the step,
 the random-number state (Python, numpy and torch) and the bucket plan in use,
 so that a resumed run reduces in exactly the same buckets. The parameters and
 the optimizer state are the same on every rank, so rank 0 writes them alone.

@@ -41,6 +41,9 @@ CASES = {
     "per_rank_init_jitted": r"OK warned: the parameters' values differed across ranks when DistributedDataParallel "
                             r"was built \(rank 1 vs rank 0\) and broadcast\(\) was not called",
     "broadcast_then_step": r"OK loss=",
+    "crossed_unused_leaves_compiled": r"OK max_rel=0\.0e\+00$",
+    "wrt_on_one_rank": r"ValueError: DistributedDataParallel arguments differ across ranks: wrt is "
+                       r"'flax\.nnx\.nn\.lora\.LoRAParam' on rank 0 but 'None \(nnx\.Param\)' on rank 1",
     **{f"numpy_float64_params_{kind}": r"OK max_rel=(0\.0e\+00|\d\.\de-(0[6-9]|[1-9]\d)) dtypes=\['float32'\]$"
        for kind in ("hooked", "compiled")},
     **{f"local_step_on_one_rank_{kind}": STEPS.format(*steps) for kind, steps in
@@ -125,7 +128,25 @@ def test_synchronised_steps_in_two_traces_are_refused_not_mixed():
     assert proc.returncode != 0, out[-3000:]
     assert re.search(r"RuntimeError: a synchronised grad_fn step of portddp\.jax \(strategy='hooked'\) began on rank "
                      r"\d while this DistributedDataParallel's step \(iteration \d+\) was still reducing its "
-                     r"gradients: .*Call every synchronised grad_fn of a program in the same trace", out), out[-3000:]
+                     r"gradients\. .*call every synchronised grad_fn of a program in the same trace", out), out[-3000:]
+
+
+def test_a_jitted_step_that_failed_on_one_rank_and_was_caught_stops_both_not_shifts_them():
+    """Rank 1's jitted step fails in the user's own data check (a callback on the batch) and the
+    script goes on: no step's gradient is ever averaged with another step's (it was, silently, from
+    then on: the check ran before the iteration opened, so the failed step went uncounted); every
+    rank raises the step mismatch."""
+    proc = mpi.run(2, "tests.workers.jax_misuse", "caught_failure", timeout=120)
+    out = proc.stdout + proc.stderr
+    got = re.findall(r"CASE caught_step_failure_(\d) rank=(\d) (.*)", proc.stdout)
+    assert got, out[-3000:]
+    for _, _, outcome in got:
+        if outcome.startswith("OK"):
+            grad, expected = re.fullmatch(r"OK grad=(\S+) expected=(\S+)", outcome).groups()
+            assert grad == expected, (got, out[-3000:])
+    for rank in "01":
+        assert any(r == rank and "ranks reached this gradient reduction at different steps" in o
+                   for _, r, o in got), (rank, got, out[-3000:])
 
 
 def test_hooked_grad_fn_under_shard_map_or_pmap_over_several_devices_is_refused_on_every_rank():

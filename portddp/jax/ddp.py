@@ -47,6 +47,7 @@ checks, agreements) or, for pmap, a LocalComm (portddp/jax/comm.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import sys
 import threading
@@ -208,6 +209,8 @@ class DistributedDataParallel(DDPCommon):
             mine = config.exchanged(transport="mpi" if strategy == "hooked" else f"xla (strategy={strategy!r})")
             # (as portddp.torch's: what changes the collectives each rank issues)
             mine["jax"] = {"broadcast_buffers": bool(broadcast_buffers)}
+            if flax_nnx.is_module(model):  # which of its state it trains (named when it differs)
+                mine["jax"]["wrt"] = flax_nnx.filter_name(wrt)
             everyone = launch.allgather_object(mine, name="DDP construction: config check")
             check_same_config(everyone)
             # A job shared with PyTorch ranks (their entries carry no "jax" part): see _agree_on_start
@@ -636,7 +639,7 @@ class DistributedDataParallel(DDPCommon):
                     return None, None, state, out[-1]
                 return flax_nnx.named_errors(xla_step, static, params, state, batch, 1.0 if uneven else None)
             if traced:
-                return flax_nnx.named_errors(program, static, params, state, batch)
+                return flax_nnx.named_errors(functools.partial(program, tie=True), static, params, state, batch)
             lends = self._hook is None and self._comm.defers_gather  # (the shared-memory path: see _lend)
             run = self._steps.get((program, lends))
             if run is None:  # first call, or the plan was rebuilt: trace again with the new taps
@@ -693,7 +696,7 @@ class DistributedDataParallel(DDPCommon):
             me._finalize()
             return np.float32(0)
 
-        def program(static, params, state, batch, lend: bool = False):
+        def program(static, params, state, batch, lend: bool = False, tie: bool = False):
             dead: list[int] = []  # buckets whose taps never fire: read at run time, filled at trace time
             start = taps.start_token(taps.reporting(
                 lambda: me._begin_iteration(dead, fills=not lend, lend=lend), errors))
@@ -711,13 +714,16 @@ class DistributedDataParallel(DDPCommon):
                     state = (jax.tree.unflatten(tree, leaves), *state[1:])
                     start_value = start_value + after
                 token = start(start_value)
+                inputs = batch
+                if tie:  # (inside the caller's jit: the step is counted when it opens)
+                    state, inputs = taps.after(token, (state, batch))
                 # Read at trace time: the plan's taps. A rebuilt plan needs a new trace (grad_fn).
                 leaves = list(jax.tree_util.tree_leaves(params))
                 for b, bucket in enumerate(self._plan.buckets):
                     ks = [self._layout.leaf_of[k] for k in bucket.params]
                     for i, leaf in zip(ks, self._taps[b]([leaves[i] for i in ks], token)):
                         leaves[i] = leaf
-                loss, aux = fn(static, jax.tree_util.tree_unflatten(self._layout.treedef, leaves), state, batch)
+                loss, aux = fn(static, jax.tree_util.tree_unflatten(self._layout.treedef, leaves), state, inputs)
                 return loss_tap(loss, token), aux
 
             self._tracing_fired = fired = set()
@@ -1224,13 +1230,15 @@ class _OpenIteration:
                 who = "this DistributedDataParallel" if other() is ddp else "another DistributedDataParallel"
                 raise RuntimeError(
                     f"a synchronised grad_fn step of portddp.jax (strategy='hooked') began on rank {ddp.rank} while "
-                    f"{who}'s step (iteration {it}) was still reducing its gradients: two synchronised steps "
-                    "traced into one program that it cannot order -- one inside jax.lax.scan or an inner jax.jit "
-                    "and one outside it, an inner jit called twice, or grad_fn under jax.pmap/shard_map. Their "
-                    "collectives would pair with other buckets on other ranks. Call every synchronised grad_fn of "
-                    "a program in the same trace (no inner jit around it; all inside the scan or all outside), or "
-                    "take the earlier gradients with sync=False and reduce them with ddp.reduce() (or an earlier "
-                    "call in this program failed midway: build the DistributedDataParallel anew)")
+                    f"{who}'s step (iteration {it}) was still reducing its gradients. Either that step failed "
+                    "midway on this rank (an error raised inside it -- in loss_fn or a callback of yours -- and "
+                    "caught: this rank is now a step behind the others, whose collectives it would pair with the "
+                    "wrong buckets; let the error end the job, or build the DistributedDataParallel anew on every "
+                    "rank), or two synchronised steps were traced into one program that cannot order them -- one "
+                    "inside jax.lax.scan or an inner jax.jit and one outside it, an inner jit called twice, or "
+                    "grad_fn under jax.pmap/shard_map: call every synchronised grad_fn of a program in the same "
+                    "trace (no inner jit around it; all inside the scan or all outside), or take the earlier "
+                    "gradients with sync=False and reduce them with ddp.reduce()")
             self._owner = (weakref.ref(ddp), ddp._iterations + 1)
 
     def release(self, ddp) -> None:

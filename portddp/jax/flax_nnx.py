@@ -164,6 +164,17 @@ def broadcast(ddp, model):
     return model
 
 
+def filter_name(wrt) -> str:
+    """`wrt=` as the config check shows it across ranks: what it selects, never an address (a
+    filter function's repr differs per process)."""
+    if wrt is None:
+        return "None (nnx.Param)"
+    if isinstance(wrt, type) or callable(wrt) and hasattr(wrt, "__qualname__"):
+        return f"{wrt.__module__}.{wrt.__qualname__}"
+    text = repr(wrt)
+    return text if " at 0x" not in text else type(wrt).__name__
+
+
 def named_errors(step, *args):
     """Run `step`; Flax's error for state mutated across a trace boundary becomes portddp's, with the fix."""
     try:

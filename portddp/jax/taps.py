@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-__all__ = ["UNDER_JVP", "UNDER_MAP", "UNDER_VMAP", "checked_loss", "host_call", "host_tap", "in_current_trace",
+__all__ = ["UNDER_JVP", "UNDER_MAP", "UNDER_VMAP", "after", "checked_loss", "host_call", "host_tap", "in_current_trace",
            "mapped_over_devices", "reporting", "start_token", "traced", "transformation"]
 
 UNDER_VMAP = (
@@ -179,6 +179,29 @@ def start_token(on_forward):
 
     start.defvjp(lambda x: (start(x), None), lambda _, ct: (ct,))
     return start
+
+
+def after(token, tree):
+    """`tree` (the forward's other inputs: the batch, the model's state), whose numeric arrays
+    exist only once `token` does: nothing the loss computes from them -- a data check in the
+    user's own callback, say -- runs before the callback that opened the iteration. (XLA runs
+    whatever does not depend on it whenever it likes: a step that failed there never opened, so
+    a rank that caught the error and went on counted one step fewer than its peers and averaged
+    its next step with their current one.) Each array gets the token times zero added (the token
+    is 0.0; XLA folds neither away) -- a pass over the inputs, paid only inside the caller's own
+    jit, where the step is counted when it opens; no gradient flows through the token."""
+    zero = jax.lax.stop_gradient(token) * 0
+
+    def tie(x):
+        if not isinstance(x, jax.Array) or x.size == 0:
+            return x
+        if x.dtype == jnp.bool_:
+            return x | (zero != 0)
+        if jnp.issubdtype(x.dtype, jnp.number):
+            return x + zero.astype(x.dtype)
+        return x  # (a typed PRNG key, say: nothing to add it to)
+
+    return jax.tree.map(tie, tree)
 
 
 def reporting(callback, errors: list):

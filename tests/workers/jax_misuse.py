@@ -4,6 +4,7 @@ run by tests/test_jax_misuse.py:
     mpirun -n 2 python -m tests.workers.jax_misuse            # every in-process case, one line each
     mpirun -n 2 python -m tests.workers.jax_misuse hook_raises # rank 1's comm hook raises: the job ends
     mpirun -n 2 python -m tests.workers.jax_misuse overlap     # two synchronised steps in two traces
+    mpirun -n 2 python -m tests.workers.jax_misuse caught_failure  # a step failed on rank 1, caught there
     XLA_FLAGS=--xla_force_host_platform_device_count=2 mpirun -n 2 python -m tests.workers.jax_misuse mapped
 
 Each in-process case prints `CASE <name> rank=<r> <outcome>` on every rank, where the outcome
@@ -468,6 +469,34 @@ def buffers_on_one_rank(strategy: str):
     return "no error"
 
 
+def crossed_unused_leaves_compiled():
+    """Rank 0's loss uses only leaf a, rank 1's only leaf c, each leaf its own bucket. Each process
+    traces its own compiled program, and XLA dropped the psum of a bucket whose gradient it found
+    constant (zeros): rank 0 summed its bucket a with rank 1's bucket c -- wrong gradients on both,
+    silently (or a hang, where the counts of all-reduces differed). Now equal to hooked's."""
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32),
+              "c": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)}
+
+    def loss(p, x):
+        return jnp.mean((x @ p["a"]) ** 2) if WORLD.rank == 0 else jnp.mean((x @ p["c"]) ** 3)
+
+    cap = 32 / 2**20  # one (4, 2) float32 leaf per bucket
+    got = {strategy: DistributedDataParallel(params, strategy=strategy, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+           .value_and_grad(loss)(params, batch(0))[1] for strategy in ("compiled", "hooked")}
+    return f"max_rel={rel(got['compiled'], got['hooked']):.1e}"
+
+
+def wrt_on_one_rank():
+    """Rank 0 trains only its LoRA weights (wrt=nnx.LoRAParam), rank 1 every Param: named as the
+    argument that differs, on every rank (it was reported as the first differing leaf)."""
+    from flax import nnx  # noqa: PLC0415
+
+    model = nnx.LoRA(4, 2, 3, base_module=nnx.Linear(4, 3, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+    DistributedDataParallel(model, wrt=nnx.LoRAParam if WORLD.rank == 0 else None)
+    return "no error"
+
+
 def reverse_loss(p, x):
     """Uses its two equal-sized parameters in the reverse of their order: a re-plan swaps them."""
     return jnp.mean(jnp.tanh(jnp.tanh(x @ p["b"]) @ p["a"]))
@@ -636,6 +665,8 @@ CASES = {
     "one_element_apart_hooked": lambda: one_element_apart("hooked"),
     "one_element_apart_compiled": lambda: one_element_apart("compiled"),
     "broadcast_then_step": broadcast_then_step,
+    "wrt_on_one_rank": wrt_on_one_rank,
+    "crossed_unused_leaves_compiled": crossed_unused_leaves_compiled,
     "numpy_float64_params_hooked": lambda: numpy_float64_params("hooked"),
     "numpy_float64_params_compiled": lambda: numpy_float64_params("compiled"),
     "local_step_on_one_rank_hooked": lambda: local_step_on_one_rank("hooked"),
@@ -684,9 +715,38 @@ def hook_raises():
     ddp.value_and_grad(loss_fn)(params, batch(0))
 
 
+def caught_step_failure():
+    """Rank 1's jitted step 1 fails at run time in a data check of the user's (a callback on the
+    batch), which the script catches and goes on. The check used to run before the callback that
+    opens the iteration, so the failed step was never counted: rank 1's step 2 was averaged with
+    rank 0's step 1 from then on, silently. Each step's gradient tells its step (10 s + rank, so
+    the mean is 10 s + 0.5): printed per step, or the error it raised."""
+    failing = [False]
+
+    def check(x):
+        if failing[0]:
+            raise RuntimeError("corrupt record")
+        return x
+
+    def loss(p, b):
+        return jnp.sum(p["w"] * jax.pure_callback(check, jax.ShapeDtypeStruct(b.shape, b.dtype), b))
+
+    params = {"w": jnp.zeros(3, jnp.float32)}
+    grad_fn = jax.jit(DistributedDataParallel(params).value_and_grad(loss))
+    for s in range(4):
+        failing[0] = WORLD.rank == 1 and s == 1
+        try:
+            g = float(grad_fn(params, jnp.full(3, 10.0 * s + WORLD.rank, jnp.float32))[1]["w"][0])
+            outcome = f"OK grad={g} expected={10.0 * s + 0.5}"
+        except Exception as e:  # noqa: BLE001 (what the script does with it)
+            outcome = f"{type(e).__name__}: {str(e).splitlines()[-1]}"
+        report(f"caught_step_failure_{s}", outcome)
+
+
 def main() -> None:
     if MODE != "cases":
-        {"hook_raises": hook_raises, "overlap": steps_in_two_traces, "mapped": grad_fn_under_shard_map}[MODE]()
+        {"hook_raises": hook_raises, "overlap": steps_in_two_traces, "mapped": grad_fn_under_shard_map,
+         "caught_failure": caught_step_failure}[MODE]()
         return
     for name, case in CASES.items():
         try:

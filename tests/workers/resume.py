@@ -127,7 +127,8 @@ class JaxCase:
 
 class NnxCase:
     """A Flax NNX model with per-rank dropout: its random streams live in the model (nnx.Rngs), so a
-    bitwise resume saves them with per_rank= and puts them back from Checkpoint.per_rank."""
+    bitwise resume saves them with per_rank= and puts them back from Checkpoint.per_rank; its
+    BatchNorm statistics and a step counter (the same on every rank) travel as extra=."""
 
     def __init__(self, impl, dtype, seed=0):
         from flax import nnx  # noqa: PLC0415
@@ -139,11 +140,14 @@ class NnxCase:
         class Net(nnx.Module):
             def __init__(self, rngs):
                 self.l1 = nnx.Linear(IN, HID, rngs=rngs, dtype=dtype, param_dtype=dtype)
+                self.norm = nnx.BatchNorm(HID, rngs=rngs, dtype=dtype, param_dtype=dtype)
                 self.drop = nnx.Dropout(0.2, rngs=rngs)
                 self.l2 = nnx.Linear(HID, OUT_DIM, rngs=rngs, dtype=dtype, param_dtype=dtype)
+                self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
 
             def __call__(self, x):
-                return self.l2(self.drop(jnp.tanh(self.l1(x))))
+                self.calls.value += 1
+                return self.l2(self.drop(jnp.tanh(self.norm(self.l1(x)))))
 
         # Other seeds give other values and other dropout streams: a resume must restore both.
         self.model = Net(nnx.Rngs(params=seed, dropout=1000 + 10 * seed + WORLD.rank))
@@ -161,23 +165,31 @@ class NnxCase:
             self.update(self.opt, self.model, grads)
 
     def digest(self):
-        return digest(np.asarray(x) for x in jax.tree.leaves(self.nnx.state(self.model, self.nnx.Param)))
+        return digest(np.asarray(x) for x in jax.tree.leaves(self.nnx.state(self.model, self.nnx.Param, BUFFERS())))
 
     def save(self, path, step, collective=True):
         nnx = self.nnx
         checkpoint.save(path, self.ddp, step=step, params=nnx.state(self.model, nnx.Param).to_pure_dict(),
                         opt_state=nnx.state(self.opt).to_pure_dict(), collective=collective,
+                        extra=nnx.state(self.model, BUFFERS()).to_pure_dict(),
                         per_rank=nnx.state(self.model, nnx.RngState).to_pure_dict() if collective else None)
 
     def load(self, path):
         nnx = self.nnx
         ck = checkpoint.load(path, self.ddp)
         for target, what, pure in ((self.model, nnx.Param, ck.params), (self.opt, ..., ck.opt_state),
-                                   (self.model, nnx.RngState, ck.per_rank)):
+                                   (self.model, BUFFERS(), ck.extra), (self.model, nnx.RngState, ck.per_rank)):
             state = nnx.state(target, what)
             nnx.replace_by_pure_dict(state, pure)
             nnx.update(target, state)
         return ck.step
+
+
+def BUFFERS():  # noqa: N802 (a Flax filter, as nnx.Param)
+    """A Flax NNX model's state that is neither parameters nor random streams (BatchStat, counters)."""
+    from flax import nnx  # noqa: PLC0415
+
+    return nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
 
 
 def make(impl, dtype, seed=0):
