@@ -116,6 +116,19 @@ def test_a_parameter_unfrozen_after_wrapping_is_named():
 
 
 
+@pytest.mark.parametrize("change", ["fewer", "more"])
+def test_a_static_graph_whose_layer_reuse_changes_is_refused_on_every_rank(change):
+    """static_graph=True learns in the first iteration how many gradients each parameter gets (a
+    layer reused under reentrant checkpointing: one per use). Used fewer times later, the layer's
+    gradient was never reduced -- each rank kept its own, silently (native raises); used more
+    times, the error said to set static_graph=True, which was set."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", f"static_graph_depth_{change}", "mpi", timeout=90)
+    counts = "1 gradient\\(s\\) in this backward pass but 2" if change == "fewer" else \
+        "2 gradient\\(s\\) in this backward pass so far but 1"
+    mpi.errors_on_every_rank(proc, 2, rf"parameter 'shared\.(weight|bias)' received {counts} in the first one, which "
+                                      r"static_graph=True learned: the graph changed .*use_reentrant=False")
+
+
 def test_distributed_autograd_is_refused_on_every_rank():
     """RPC training (dist_autograd.backward) puts gradients in its context, never in .grad: native's
     reducer reduces them there; portddp's hooks would never fire (no error, each rank stepped alone)."""

@@ -761,7 +761,19 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             if not self._finalize_queued:
                 self._queue_finalize()
             return True
+        if self._hook_counts[i] > self._static_hooks[i]:
+            raise self._static_graph_changed(i)
         return self._hook_counts[i] < self._static_hooks[i]
+
+    def _static_graph_changed(self, i: int) -> RuntimeError:
+        return RuntimeError(
+            f"parameter {self._names[i]!r} received {self._hook_counts[i]} gradient(s) in this backward pass "
+            f"{'so far ' if self._hook_counts[i] > self._static_hooks[i] else ''}but {self._static_hooks[i]} in "
+            "the first one, which static_graph=True learned: the graph changed (a layer reused a different number "
+            "of times: a depth that varies, LayerDrop), so its gradient would be reduced incomplete or not at all. "
+            "static_graph needs the same graph in every iteration (native DDP fails here too, at the next "
+            "forward). For a layer reused under activation checkpointing, checkpoint it with use_reentrant=False "
+            "(one gradient per parameter per backward) and build DistributedDataParallel without static_graph")
 
     def _ready(self, i: int, param: torch.Tensor, now: int) -> None:
         """Param i's gradient is complete: pack it, launch what the plan order allows."""
@@ -867,6 +879,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             for i in sorted(last, key=last.get):
                 self._ready(i, self._params[i], now)
         missing = [i for i, seen in enumerate(self._seen) if not seen]
+        if self.static_graph and self._static_hooks is not None:
+            for i in missing:  # (some gradients, fewer than learned: never marked ready)
+                if self._hook_counts[i]:
+                    raise self._static_graph_changed(i)
         flags = self._local_flags()
         for i in missing:
             # No gradient in this backward; other ranks may have one, and every rank must still issue

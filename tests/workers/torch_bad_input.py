@@ -39,6 +39,25 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
+class Reused(nn.Module):
+    """One layer applied `depth` times under reentrant checkpointing: its gradient hooks fire once
+    per application (what static_graph=True learns in the first iteration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)  # (so that what the checkpoints take requires grad)
+        self.shared = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x, depth):
+        from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+        x = self.inp(x)
+        for _ in range(depth):
+            x = checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=True)
+        return self.head(x)
+
+
 def run(case: str, transport: str) -> None:
     if case == "world_size":
         portddp.init(world_size=detect().size + 3)
@@ -204,6 +223,10 @@ def run(case: str, transport: str) -> None:
             model.register_buffer("extra", torch.zeros(2))
         ddp = DistributedDataParallel(model, transport=transport)
         ddp(torch.ones(2, 4)).sum().backward()
+    elif case.startswith("static_graph_depth_"):  # a layer reused fewer / more times than in the first iteration
+        ddp = DistributedDataParallel(Reused(), transport=transport, static_graph=True)
+        for depth in (2, 1) if case.endswith("fewer") else (1, 2):
+            ddp(torch.ones(2, 4), depth).sum().backward()
     elif case == "unfrozen_after_wrap":
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
         model[0].weight.requires_grad_(False)
