@@ -116,6 +116,16 @@ def test_a_parameter_unfrozen_after_wrapping_is_named():
 
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_one_backward_through_a_synchronising_and_a_no_sync_forward_is_refused(transport):
+    """`o1 = ddp(x)`, then `with ddp.no_sync(): o2 = ddp(x2)`, then one backward of both: the last
+    forward decides (native's rule), so o1's gradients stayed local -- every rank trained on its own,
+    silently (native too). Refused on every rank."""
+    proc = mpi.run(2, "tests.workers.torch_bad_input", "sync_then_no_sync_one_backward", transport, timeout=90)
+    mpi.errors_on_every_rank(proc, 2, r"got its gradient in a backward pass through the output of a synchronising "
+                                      r"forward and of a later forward inside no_sync\(\).*Run each forward's backward")
+
+
 @pytest.mark.parametrize("change", ["fewer", "more"])
 def test_a_static_graph_whose_layer_reuse_changes_is_refused_on_every_rank(change):
     """static_graph=True learns in the first iteration how many gradients each parameter gets (a

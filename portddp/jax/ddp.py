@@ -260,13 +260,14 @@ class DistributedDataParallel(DDPCommon):
     def _specs(self, tree) -> list[ParamSpec]:
         return self._layout.specs(tree)
 
-    def _verify_same_model(self, specs: list[ParamSpec], fingerprint: str | None = None) -> None:
+    def _verify_same_model(self, specs: list[ParamSpec], fingerprint: str | None = None,
+                           what: str = "model check") -> None:
         """Compare every rank's parameters with rank 0's; name the first differing key path. With a
         `fingerprint` of the values (construction), remember which ranks' values differ from rank 0's:
         unless broadcast() makes them equal, the first synchronised step checks again (see
         `_check_same_values`) -- native DDP broadcasts at construction, a JAX DDP cannot (it owns no
         parameters), and replicas that start apart never meet."""
-        self._issue("model check")
+        self._issue(what)
         with watchdog.waiting():
             everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], fingerprint])
         check_same_specs([e[0] for e in everyone], "parameter pytrees differ across ranks", "leaf", "leaves")
@@ -312,7 +313,7 @@ class DistributedDataParallel(DDPCommon):
         """Rank 0's values of `params` everywhere, bucket by bucket, after agreeing again: the same
         exchange as portddp.torch's _broadcast_state (see portddp.protocol)."""
         # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
-        self._verify_same_model(self._specs(params))
+        self._verify_same_model(self._specs(params), what="ddp.broadcast(): model check")
         self._values_differ = []
         leaves = self._layout.leaves_of(params)
         self._issue("broadcast of rank 0's parameters")

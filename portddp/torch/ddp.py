@@ -724,6 +724,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 # zero gradient, reduced with the others'.
                 if param.grad is not None or not (ddp.find_unused_parameters or ddp.static_graph):
                     ddp._mark_ready(i, param)  # (outside an iteration: a second backward, refused there)
+            elif ddp._expect_grads and ddp._in_ddp_backward():
+                raise RuntimeError(_MIXED_BACKWARD.format(name=ddp._names[i]))
             elif ddp.find_unused_parameters and param.grad is not None:  # under no_sync (or through
                 ddp._used_unsynced[i] = 1  # ddp.module) it simply accumulates in .grad: used since the last reduction
 
@@ -1088,6 +1090,14 @@ def _outside_compiled_graphs(dynamo) -> None:
 
 
 after_import("torch._dynamo", _outside_compiled_graphs)
+
+_MIXED_BACKWARD = (
+    "parameter {name!r} got its gradient in a backward pass through the output of a synchronising forward and of "
+    "a later forward inside no_sync(): as native's, the last forward decides whether the backward synchronises, "
+    "so the synchronising forward's gradients would stay local on every rank, silently (native DDP's ranks drift "
+    "apart here). Run each forward's backward on its own, or both forwards inside no_sync() (accumulating) or "
+    "both outside it")
+
 
 def _dense_strides(t: torch.Tensor) -> tuple | None:
     """t's strides where its elements fill their memory densely in another order than C's

@@ -223,6 +223,12 @@ def run(case: str, transport: str) -> None:
             model.register_buffer("extra", torch.zeros(2))
         ddp = DistributedDataParallel(model, transport=transport)
         ddp(torch.ones(2, 4)).sum().backward()
+    elif case == "sync_then_no_sync_one_backward":  # one backward through a synced and a no_sync forward
+        ddp = DistributedDataParallel(nn.Linear(4, 2), transport=transport)
+        synced = ddp(torch.ones(2, 4))
+        with ddp.no_sync():
+            local = ddp(torch.ones(2, 4))
+        (synced + local).sum().backward()
     elif case.startswith("static_graph_depth_"):  # a layer reused fewer / more times than in the first iteration
         ddp = DistributedDataParallel(Reused(), transport=transport, static_graph=True)
         for depth in (2, 1) if case.endswith("fewer") else (1, 2):
