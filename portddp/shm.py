@@ -366,7 +366,8 @@ class ShmAllreduce:
 
 def _map_segments(node, seg: int, backed: int):
     """One file of `seg` bytes per local rank in /dev/shm, every rank mapping all of them; the files
-    are unlinked once mapped, so the memory goes when the processes do (also after kill -9).
+    are unlinked once mapped, so the memory goes when the processes do (also after kill -9, but for
+    one that lands between a file's creation and the barrier after every peer mapped it).
     The first `backed` bytes of mine are allocated now (the rest as `empty` hands it out)."""
     import tempfile  # noqa: PLC0415
     import uuid  # noqa: PLC0415
