@@ -123,7 +123,8 @@ def test_one_backward_through_a_synchronising_and_a_no_sync_forward_is_refused(t
     silently (native too). Refused on every rank."""
     proc = mpi.run(2, "tests.workers.torch_bad_input", "sync_then_no_sync_one_backward", transport, timeout=90)
     mpi.errors_on_every_rank(proc, 2, r"got its gradient in a backward pass through the output of a synchronising "
-                                      r"forward and of a later forward inside no_sync\(\).*Run each forward's backward")
+                                      r"forward, but a forward inside no_sync\(\) ran after it.*Run each forward's "
+                                      r"backward before the next forward")
 
 
 @pytest.mark.parametrize("change", ["fewer", "more"])

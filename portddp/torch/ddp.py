@@ -1092,11 +1092,11 @@ def _outside_compiled_graphs(dynamo) -> None:
 after_import("torch._dynamo", _outside_compiled_graphs)
 
 _MIXED_BACKWARD = (
-    "parameter {name!r} got its gradient in a backward pass through the output of a synchronising forward and of "
-    "a later forward inside no_sync(): as native's, the last forward decides whether the backward synchronises, "
-    "so the synchronising forward's gradients would stay local on every rank, silently (native DDP's ranks drift "
-    "apart here). Run each forward's backward on its own, or both forwards inside no_sync() (accumulating) or "
-    "both outside it")
+    "parameter {name!r} got its gradient in a backward pass through the output of a synchronising forward, "
+    "but a forward inside no_sync() ran after it: as native's, the last forward decides whether the backward "
+    "synchronises, so the synchronising forward's gradients would stay local on every rank, silently (native "
+    "DDP's ranks drift apart here). Run each forward's backward before the next forward, or both forwards inside "
+    "no_sync() (accumulating) or both outside it")
 
 
 def _dense_strides(t: torch.Tensor) -> tuple | None:
