@@ -64,8 +64,20 @@ def _first_env(names, default=None):
     return default
 
 
+_RANK_PID = "PORTDDP_MPI_RANK_PID"  # set by a rank once MPI is up: its children inherit it, and are no rank
+
+
 def _launched_by_mpi() -> bool:
-    return _first_env(_MPI_RANK_VARS) is not None
+    """Whether this process is a rank mpirun started: its launcher's variables, not merely inherited
+    -- a DataLoader worker started with "spawn" or "forkserver", or a helper process a rank starts,
+    has them too, but is no rank (MPI_Init would abort it: "PMI_Init returned -1")."""
+    if _first_env(_MPI_RANK_VARS) is None:
+        return False
+    if os.environ.get(_RANK_PID, str(os.getpid())) != str(os.getpid()):
+        return False
+    import multiprocessing  # noqa: PLC0415
+
+    return multiprocessing.parent_process() is None
 
 
 def mpi_comm():
@@ -74,6 +86,8 @@ def mpi_comm():
     # link busy at once; its default algorithm took 1.6x as long over TCP with 3 hosts (README).
     os.environ.setdefault("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "tsp_ring")
     from mpi4py import MPI  # noqa: PLC0415 -- MPI_Init happens at import; only when needed
+
+    os.environ[_RANK_PID] = str(os.getpid())  # (what this rank starts is told apart: _launched_by_mpi)
 
     if MPI.COMM_WORLD.Get_size() == 1:
         # A job of one (also a script started without mpirun) has no peer to attach to the /dev/shm
@@ -357,8 +371,30 @@ def ensure_watchdog() -> None:
     if _WATCHDOG is not None or _WATCHDOG_DECLINED or w.size == 1:
         return
     dist = sys.modules.get("torch.distributed")
-    _start_watchdog(w, torch_distributed=dist is not None and dist.is_available() and dist.is_initialized(),
-                    by="DDP construction")
+    torch_distributed = dist is not None and dist.is_available() and dist.is_initialized()
+    _start_watchdog(w, torch_distributed=torch_distributed, by="DDP construction",
+                    timeout_s=_scripts_timeout_s(dist if torch_distributed else None))
+
+
+def _scripts_timeout_s(dist) -> float:
+    """How long a script that did not call portddp.init() lets a collective wait, for the stall
+    inspector (which speaks at 80 % of it): PORTDDP_TIMEOUT_S where set, else its own process
+    group's timeout, else PyTorch's default (30 minutes) -- as native DDP would wait, so that
+    legitimate work on one rank (an evaluation or a checkpoint on rank 0 only) is not cut short."""
+    if "PORTDDP_TIMEOUT_S" in os.environ:
+        return env_seconds("PORTDDP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+    if dist is not None:
+        import torch  # noqa: PLC0415
+
+        try:
+            group = dist.distributed_c10d._get_default_group()
+            return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 (a backend without CPU, or other options: PyTorch's default)
+            pass
+    return _TORCH_DEFAULT_TIMEOUT_S
+
+
+_TORCH_DEFAULT_TIMEOUT_S = 1800.0  # torch.distributed's default_pg_timeout (not imported for JAX scripts)
 
 
 def allgather_object(obj, *, name: str | None = None) -> list:

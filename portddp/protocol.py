@@ -201,6 +201,11 @@ def agreed_strides(everyone: Sequence[Sequence], count: int) -> list[tuple | Non
     return [ours if all(theirs[i] == ours for theirs in lists) else None for i, ours in enumerate(lists[0])]
 
 
+BROADCAST_CHECK = "broadcast of rank 0's model: model check"
+"""The name of the model check before a broadcast of rank 0's parameters (portddp.torch's at
+construction, portddp.jax's ddp.broadcast(): one collective in a mixed job)."""
+
+
 SHADOW = 0  # the step slot of a rank that shadows the others in join(): not compared
 
 

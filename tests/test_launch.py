@@ -201,3 +201,39 @@ def test_time_settings_in_the_environment_are_checked_naming_the_variable(monkey
     assert env_seconds("PORTDDP_STALL_S", 240, zero_means="the stall inspector off") == 0
     monkeypatch.delenv(name)
     assert env_seconds(name, 300) == 300
+
+
+def test_processes_a_rank_starts_are_no_ranks():
+    """DataLoader workers started with "spawn" / "forkserver" and a helper subprocess import
+    portddp.torch again under mpirun's inherited variables: they must not run MPI_Init (which
+    aborted them), and the ranks train on alike."""
+    proc = mpi.run(2, "tests.workers.spawned_child", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = re.findall(r"SPAWNED rank=(\d) digest=(\S+) helper_rc=(\d+) helper='(.*)'", proc.stdout)
+    assert sorted(r[0] for r in rows) == ["0", "1"], proc.stdout + proc.stderr[-3000:]
+    assert len({r[1] for r in rows}) == 1, rows  # the same parameters on both ranks
+    assert all(r[2] == "0" and r[3] == "helper ok" for r in rows), rows
+
+
+def test_the_stall_inspector_of_a_script_without_init_waits_as_long_as_its_group():
+    """A DDP built without portddp.init() (a torchrun script with the import changed) starts the
+    watchdog itself; its stall inspector speaks at 80 % of the script's own process group timeout
+    (PyTorch's 30 minutes by default), not of portddp's 300 s: rank 0 evaluating alone for minutes
+    (nanoGPT's estimate_loss) is legitimate there, as under native DDP."""
+    code = (
+        "import datetime, os, torch.distributed as dist\n"
+        "from portddp import launch\n"
+        "print('none', launch._scripts_timeout_s(None))\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d' % launch._free_port(), rank=0, "
+        "world_size=1, timeout=datetime.timedelta(seconds=1234))\n"
+        "print('group', launch._scripts_timeout_s(dist))\n"
+        "os.environ['PORTDDP_TIMEOUT_S'] = '77'\n"
+        "print('env', launch._scripts_timeout_s(dist))\n"
+        "dist.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k != "PORTDDP_TIMEOUT_S"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = dict(line.split() for line in out.stdout.splitlines())
+    assert float(got["none"]) == 1800.0 and float(got["group"]) == 1234.0, got
+    assert float(got["env"]) == 77.0, got  # PORTDDP_TIMEOUT_S, where set, decides
+

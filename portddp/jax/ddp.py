@@ -68,9 +68,9 @@ from portddp.config import DDPConfig
 from portddp.jax import compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
-from portddp.protocol import (buffer_layout, buffer_sync_header, check_buffer_sync_header, check_same_config,
-                              check_same_frozen, check_same_step, check_same_specs, hook_result_error,
-                              nonfinite_error, unused_parameters_error)
+from portddp.protocol import (BROADCAST_CHECK, buffer_layout, buffer_sync_header, check_buffer_sync_header,
+                              check_same_config, check_same_frozen, check_same_step, check_same_specs,
+                              hook_result_error, nonfinite_error, unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.transport import Handle
 
@@ -313,7 +313,7 @@ class DistributedDataParallel(DDPCommon):
         """Rank 0's values of `params` everywhere, bucket by bucket, after agreeing again: the same
         exchange as portddp.torch's _broadcast_state (see portddp.protocol)."""
         # Agree first: a rank whose tree differs must not leave the others waiting in Bcast.
-        self._verify_same_model(self._specs(params), what="ddp.broadcast(): model check")
+        self._verify_same_model(self._specs(params), what=BROADCAST_CHECK)
         self._values_differ = []
         leaves = self._layout.leaves_of(params)
         self._issue("broadcast of rank 0's parameters")

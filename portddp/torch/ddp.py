@@ -64,9 +64,9 @@ from portddp.buckets import BucketPlan, ParamSpec, plan_as_registered, plan_buck
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
 from portddp.lazy import after_import
-from portddp.protocol import (SHADOW, agreed_strides, buffer_layout, buffer_sync_header, check_buffer_sync_header,
-                              check_same_buffers, check_same_config, check_same_frozen, check_same_specs,
-                              check_same_step, hook_result_error, nonfinite_error,
+from portddp.protocol import (BROADCAST_CHECK, SHADOW, agreed_strides, buffer_layout, buffer_sync_header,
+                              check_buffer_sync_header, check_same_buffers, check_same_config, check_same_frozen,
+                              check_same_specs, check_same_step, hook_result_error, nonfinite_error,
                               unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
 from portddp.torch.comm import TRANSPORTS, make_comm
@@ -370,11 +370,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         return [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type)
                 for n, p in zip(self._names, self._params)]
 
-    def _verify_same_model(self, specs: list[ParamSpec], frozen: bool = False) -> list:
+    def _verify_same_model(self, specs: list[ParamSpec], frozen: bool = False, what: str = "model check") -> list:
         """Compare every rank's parameter list (and, with `frozen`, its frozen parameters') with
         rank 0's; name the first difference. Returns what every rank sent (its fifth item: the
-        parameters' memory-order strides, for agreed_strides)."""
-        self._issue("model check")
+        parameters' memory-order strides, for agreed_strides). `what` names the collective (a JAX
+        rank of a mixed job issues its counterpart under the same name)."""
+        self._issue(what)
         mine = _named_specs(self._frozen_named()) if frozen else None
         buffers = _named_specs((n, b) for n, b in self.module.named_buffers()
                                if n not in self.parameters_to_ignore) if self._check_buffers else None
@@ -397,7 +398,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         buffers everywhere.
 
         The same exchange as portddp.jax's broadcast() (see portddp.protocol)."""
-        self._verify_same_model(list(self._plan.specs), frozen=True)
+        self._verify_same_model(list(self._plan.specs), frozen=True, what=BROADCAST_CHECK)
         self._issue(f"broadcast of rank {src}'s parameters")
         with torch.no_grad(), watchdog.waiting():
             for bucket in self._plan.buckets:
