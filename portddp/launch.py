@@ -24,6 +24,7 @@ import os
 import time
 import re
 import socket
+import stat
 import sys
 
 from portddp.watchdog import env_seconds
@@ -64,20 +65,35 @@ def _first_env(names, default=None):
     return default
 
 
-_RANK_PID = "PORTDDP_MPI_RANK_PID"  # set by a rank once MPI is up: its children inherit it, and are no rank
-
-
 def _launched_by_mpi() -> bool:
     """Whether this process is a rank mpirun started: its launcher's variables, not merely inherited
     -- a DataLoader worker started with "spawn" or "forkserver", or a helper process a rank starts,
-    has them too, but is no rank (MPI_Init would abort it: "PMI_Init returned -1")."""
-    if _first_env(_MPI_RANK_VARS) is None:
-        return False
-    if os.environ.get(_RANK_PID, str(os.getpid())) != str(os.getpid()):
-        return False
+    has them too, but is no rank (MPI_Init would abort it: "PMI_Init returned -1"). Such a worker has
+    a multiprocessing parent; under MPICH's launcher a rank holds the socket named by PMI_FD, which
+    a process it starts does not inherit (subprocess closes it). Decided once per process, before
+    MPI_Init (which may close that socket)."""
+    pid = os.getpid()
+    if pid not in _LAUNCHED_BY_MPI:
+        _LAUNCHED_BY_MPI.clear()  # (a forked child decides for itself)
+        _LAUNCHED_BY_MPI[pid] = _first_env(_MPI_RANK_VARS) is not None and _started_as_rank()
+    return _LAUNCHED_BY_MPI[pid]
+
+
+_LAUNCHED_BY_MPI: dict[int, bool] = {}
+
+
+def _started_as_rank() -> bool:
     import multiprocessing  # noqa: PLC0415
 
-    return multiprocessing.parent_process() is None
+    if multiprocessing.parent_process() is not None:
+        return False
+    fd = os.environ.get("PMI_FD", "")
+    if fd.isdigit():
+        try:
+            return stat.S_ISSOCK(os.fstat(int(fd)).st_mode)
+        except OSError:
+            return False
+    return True
 
 
 def mpi_comm():
@@ -87,7 +103,6 @@ def mpi_comm():
     os.environ.setdefault("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "tsp_ring")
     from mpi4py import MPI  # noqa: PLC0415 -- MPI_Init happens at import; only when needed
 
-    os.environ[_RANK_PID] = str(os.getpid())  # (what this rank starts is told apart: _launched_by_mpi)
 
     if MPI.COMM_WORLD.Get_size() == 1:
         # A job of one (also a script started without mpirun) has no peer to attach to the /dev/shm
