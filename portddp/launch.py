@@ -72,14 +72,13 @@ def _launched_by_mpi() -> bool:
     a multiprocessing parent; under MPICH's launcher a rank holds the socket named by PMI_FD, which
     a process it starts does not inherit (subprocess closes it). Decided once per process, before
     MPI_Init (which may close that socket)."""
-    pid = os.getpid()
-    if pid not in _LAUNCHED_BY_MPI:
-        _LAUNCHED_BY_MPI.clear()  # (a forked child decides for itself)
-        _LAUNCHED_BY_MPI[pid] = _first_env(_MPI_RANK_VARS) is not None and _started_as_rank()
-    return _LAUNCHED_BY_MPI[pid]
+    global _LAUNCHED_BY_MPI
+    if _LAUNCHED_BY_MPI is None or _LAUNCHED_BY_MPI[0] != os.getpid():  # (a forked child decides for itself)
+        _LAUNCHED_BY_MPI = os.getpid(), _first_env(_MPI_RANK_VARS) is not None and _started_as_rank()
+    return _LAUNCHED_BY_MPI[1]
 
 
-_LAUNCHED_BY_MPI: dict[int, bool] = {}
+_LAUNCHED_BY_MPI: tuple[int, bool] | None = None  # (pid, the answer) of the process that decided
 
 
 def _started_as_rank() -> bool:
@@ -102,7 +101,6 @@ def mpi_comm():
     # link busy at once; its default algorithm took 1.6x as long over TCP with 3 hosts (README).
     os.environ.setdefault("MPIR_CVAR_IALLREDUCE_INTRA_ALGORITHM", "tsp_ring")
     from mpi4py import MPI  # noqa: PLC0415 -- MPI_Init happens at import; only when needed
-
 
     if MPI.COMM_WORLD.Get_size() == 1:
         # A job of one (also a script started without mpirun) has no peer to attach to the /dev/shm
