@@ -175,7 +175,11 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
             state = jax.tree.map(lambda x: x[0], state)  # this process's row
         state = _data_as_keys(state, impls)
         if strategy == "compiled" and state and broadcast_buffers:
-            state = (jax.tree.map(lambda x: jax.lax.all_gather(x, DATA_AXIS)[0], state[0]), *state[1:])
+            src = 0
+            if scale is not None:  # ddp.uneven(): the highest rank with a batch, as torch's join()
+                ranks = jnp.arange(world)
+                src = jnp.max(jnp.where(jax.lax.all_gather(scale[0], DATA_AXIS) > 0, ranks, 0))
+            state = (jax.tree.map(lambda x: jax.lax.all_gather(x, DATA_AXIS)[src], state[0]), *state[1:])
         (loss, (aux, new_state)), grads = jax.value_and_grad(
             lambda p: fn(static, p, state, batch), has_aux=True)(params)
         if jax.tree.structure(new_state) != jax.tree.structure(state) or _key_impls(new_state) != impls:
@@ -186,8 +190,11 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
                 "loss_fn (nnx.pop(model, nnx.Intermediate), returned as aux with has_aux=True), or use "
                 "strategy='hooked'")
         new_state = _keys_as_data(new_state, impls)
-        if scale is not None:  # ddp.uneven(): a joined rank (scale 0) adds zeros, whatever its forward gave
+        if scale is not None:  # ddp.uneven(): a joined rank (scale 0) adds zeros, whatever its forward gave,
             grads = jax.tree.map(lambda g: jnp.where(scale[0] > 0, g, jnp.zeros_like(g)), grads)
+            # ... and keeps the state it came with (its buffers: the ones just received)
+            new_state = jax.tree.map(lambda new, old: jnp.where(scale[0] > 0, new, old), new_state,
+                                     _keys_as_data(state, impls))
         if strategy == "pmap":
             return jax.lax.pmean(loss, DATA_AXIS), aux, new_state, reduced(grads)
         rows = jax.tree.map(lambda x: jnp.asarray(x)[None], (loss, aux, new_state))

@@ -462,15 +462,18 @@ class DistributedDataParallel(DDPCommon):
         all-reduce). While some rank does, every rank runs the step; a rank that has run out
         gets `ddp.JOINED`, and its grad_fn shadows the others' synchronised step -- the same
         collectives with zero gradients and no forward (`_shadow_iteration`; compiled: the same
-        XLA program, fed zeros) -- and returns (None, the mean gradients), leaving its model
-        state alone. Once no rank has a batch, the loop ends on every rank at the same step.
+        XLA program, fed zeros) -- and returns (None, the mean gradients). Once no rank has a
+        batch, the loop ends on every rank at the same step.
 
         The mean is the sum over the ranks that had a batch divided by the initial world size
         (torch's default), or with divide_by_initial_world_size=False by how many had one
         (hooked, without a comm hook). Every rank gets the same mean every step, so parameters
-        and optimizer state stay identical and nothing is broadcast at the end (torch broadcasts
-        the last joiner's model). The loop body must therefore make the same DDP calls at the
-        same step on every rank; give JOINED to grad_fn untouched (sync=False: zeros, so
+        and optimizer state stay identical. Buffers (an NNX model's BatchStat, broadcast_buffers)
+        follow torch's join(): each step starts from those of the highest rank that has a batch,
+        which a joined rank takes too (its other state stays), and at the end every rank takes
+        the last joiner's into each model its grad_fn stepped eagerly in the loop (torch
+        broadcasts the last joiner's whole model). The loop body must make the same DDP calls
+        at the same step on every rank; give JOINED to grad_fn untouched (sync=False: zeros, so
         accumulating and `reduce` work as usual). throw_on_early_termination=True: every rank
         raises as soon as one runs out. Hooked grad_fn may be inside your own jax.jit (JOINED is
         a pytree without leaves: it gets its own trace); bucket_cap_mb="auto" is refused until
@@ -496,16 +499,22 @@ class DistributedDataParallel(DDPCommon):
                             return
                         yield batch
                         continue
-                    flags = np.zeros(self.world_size, np.int32)
+                    # Who still has a batch, and how many NNX models each rank's grad_fn stepped
+                    # eagerly in this loop (their buffers are synchronised at its end).
+                    flags = np.zeros(2 * self.world_size, np.int32)
                     flags[self.rank] = not step.out
+                    flags[self.world_size + self.rank] = len(step.alive_models())
                     watchdog.step_started()  # a collective every rank must reach, like an iteration
                     self._issue("uneven: who still has a batch")
                     with watchdog.waiting():
                         self._comm.allreduce(flags).wait()
                     watchdog.step_finished()
+                    flags, models = flags[:self.world_size], flags[self.world_size:].tolist()
                     step.count = int(flags.sum())
                     if step.count == 0:
+                        self._sync_final_buffers(step, models)
                         return
+                    step.src = int(np.flatnonzero(flags)[-1])
                     if step.count < self.world_size and throw_on_early_termination:
                         out = [r for r in range(self.world_size) if not flags[r]]
                         raise RuntimeError(f"uneven(throw_on_early_termination=True): rank(s) {out} ran out of "
@@ -632,12 +641,13 @@ class DistributedDataParallel(DDPCommon):
                     self._local_params = params
                 return flax_nnx.named_errors(local_step, static, params, state, batch)
             if self.strategy != "hooked":
-                # Inside ddp.uneven() while some rank has joined: every rank runs the program that
-                # zeroes the gradients of the joined ranks (scale 0), which feed zeros shaped like a batch.
-                uneven = self._uneven is not None and self._uneven.count < self.world_size
+                # Inside ddp.uneven(): every rank runs the program that zeroes the gradients of the
+                # joined ranks (scale 0), which feed zeros shaped like a batch, and takes the buffers
+                # of the highest rank with a batch (a joined rank keeps them: its new state).
+                uneven = self._uneven is not None
                 if joined:
                     out = xla_step(static, params, state, self._uneven.zeros_batch(), 0.0)
-                    return None, None, state, out[-1]
+                    return None, None, out[2], out[-1]
                 return flax_nnx.named_errors(xla_step, static, params, state, batch, 1.0 if uneven else None)
             if traced:
                 return flax_nnx.named_errors(functools.partial(program, tie=True), static, params, state, batch)
@@ -804,9 +814,13 @@ class DistributedDataParallel(DDPCommon):
         if any(e[1] for e in everyone):
             self._rebuilt, self._rebuild_order = True, None
 
-    def _sync_buffers(self, leaves, synchronises: bool = True) -> list[np.ndarray]:
-        """Rank 0's values of these buffers (numpy copies, any dtypes), in one Bcast with a header
-        saying which step they were sent for, checked by the receivers (portddp.protocol)."""
+    def _sync_buffers(self, leaves, synchronises: bool = True, src: int | None = None) -> list[np.ndarray]:
+        """Rank `src`'s values of these buffers (numpy copies, any dtypes), in one Bcast with a
+        header saying which step they were sent for, checked by the receivers (portddp.protocol).
+        By default rank 0's; inside ddp.uneven() those of the highest rank with a batch this step,
+        as torch's join() (rank 0 may have joined: its statistics no longer move)."""
+        if src is None:
+            src = self._uneven.src if self._uneven is not None else 0
         arrays = [np.array(x) for x in leaves]
         # (the buffers' layout too, as portddp.torch's header: a receiver whose buffers differ names it)
         mine = buffer_sync_header(self._iterations, synchronises, self._buffer_syncs,
@@ -817,18 +831,34 @@ class DistributedDataParallel(DDPCommon):
             self._issue("buffer broadcast")
             with watchdog.waiting():
                 try:
-                    self._comm.broadcast_([*arrays, header], src=0)
+                    self._comm.broadcast_([*arrays, header], src=src)
                 except Exception as e:  # (a size mismatch is MPI's truncation error on a receiver)
                     shapes = ", ".join(f"{a.shape} {a.dtype}" for a in arrays)
                     first = str(e).splitlines()[0] if str(e) else repr(e)
                     raise RuntimeError(
-                        f"broadcast of rank 0's buffers (non-Param state, e.g. BatchStat) failed on rank {self.rank} "
+                        f"broadcast of rank {src}'s buffers (non-Param state, e.g. BatchStat) failed on rank {self.rank} "
                         f"({type(e).__name__}: {first}); this rank's buffers are {len(arrays)} array(s): {shapes}. "
                         "Every rank must build the same model (the same buffers); call ddp.broadcast(model) once "
                         "after building DistributedDataParallel to compare them and start from rank 0's") from e
-            if self.rank != 0:
-                check_buffer_sync_header(header.tolist(), mine, 0, self.rank)
+            if self.rank != src:
+                check_buffer_sync_header(header.tolist(), mine, src, self.rank)
         return arrays
+
+    def _sync_final_buffers(self, step: _Uneven, counts: list[int]) -> None:
+        """The end of ddp.uneven(), as the end of torch's join(): every rank takes the last joiner's
+        buffers (`step.src`: the highest rank with a batch in the last step) into each Flax NNX
+        model its grad_fn stepped eagerly in the loop (`counts`: how many, per rank). Params need
+        nothing: every rank applied the same mean gradients. A model stepped only inside the
+        caller's jit is not held here (its step sees a copy): broadcast it yourself if needed."""
+        if not self.broadcast_buffers or self._mixed:
+            return
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"ddp.uneven() ended with grad_fn having stepped {counts} Flax NNX model(s) eagerly on ranks "
+                f"{list(range(self.world_size))}: every rank must make the same grad_fn calls in the loop (JOINED "
+                "included, eagerly or inside jit alike), so that the last joiner's buffers reach the same models")
+        for model in step.alive_models():
+            flax_nnx.take_buffers(self, model, step.src)
 
     def _count_step(self) -> np.float32:
         """(Host callback.) A grad_fn(sync=False) traced into the caller's program ran: the step
@@ -1115,34 +1145,40 @@ class DistributedDataParallel(DDPCommon):
         Eagerly, or inside the caller's jit as one host callback."""
         if not sync:
             return None, None, state, _zeros_like(params)
-        buffers = jax.tree.leaves(state[0]) if self._will_sync_buffers(state) else []
+        buffers, tree = jax.tree.flatten(state[0]) if self._will_sync_buffers(state) else ([], None)
 
         me = weakref.proxy(self)  # (a host callback: see _make_tap)
 
-        def shadow(outs, *buffers):
-            if buffers:
-                me._sync_buffers(buffers)
+        def shadow(outs, received, *buffers):
+            # The buffers the highest training rank sends: this rank takes them, as torch's joined rank.
+            for out, value in zip(received, me._sync_buffers(buffers) if buffers else []):
+                out[...] = value
             me._begin_iteration(fills=True)
             for b in range(len(me._buffers)):
                 me._mark_ready(b, None)
             me._finalize(outs)
 
         shapes = _reduced_shapes(self._plan)
+        kept = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in buffers]
         if taps.traced(params):
             # Chained like a step (_after_previous_iteration): two shadows in one program -- two
             # grad_fn calls in one jit -- run in the order the other ranks' steps do, one at a time.
             def traced_shadow(outs, _previous, *buffers):
-                outs[-1][...] = 0
-                shadow(outs[:-1], *buffers)
+                outs[len(shapes)][...] = 0
+                shadow(outs[:len(shapes)], outs[len(shapes) + 1:], *buffers)
 
-            *reduced, _TRACED.done = taps.host_call(
+            outs = taps.host_call(
                 taps.reporting(traced_shadow, self._callback_errors),
-                [*shapes, jax.ShapeDtypeStruct((), jnp.float32)], self._after_previous_iteration(), *buffers,
+                [*shapes, jax.ShapeDtypeStruct((), jnp.float32), *kept], self._after_previous_iteration(), *buffers,
                 fills=True)
+            reduced, _TRACED.done, received = outs[:len(shapes)], outs[len(shapes)], outs[len(shapes) + 1:]
         else:
             reduced = [np.empty(s.shape, s.dtype) for s in shapes]
-            shadow(reduced, *buffers)
-            reduced = [jnp.asarray(r) for r in reduced]
+            received = [np.empty(k.shape, k.dtype) for k in kept]
+            shadow(reduced, received, *buffers)
+            reduced, received = [jnp.asarray(r) for r in reduced], [jnp.asarray(r) for r in received]
+        if tree is not None:
+            state = (jax.tree.unflatten(tree, received), *state[1:])
         return None, None, state, self._layout.to_tree(self._plan, reduced)
 
     # ---- rebuild/autotune
@@ -1295,7 +1331,16 @@ class _Uneven:
     def __init__(self):
         self.out = False  # this rank has run out of batches
         self.count = 0  # how many ranks have a batch this step
+        self.src = 0  # the highest rank with a batch this step: whose buffers every rank starts from
         self.template = None  # strategy="compiled", some rank joined: (treedef, [(shape, dtype)]) of a batch
+        self.models: list[weakref.ref] = []  # the NNX models grad_fn stepped eagerly in this loop
+
+    def remember(self, model) -> None:
+        if all(ref() is not model for ref in self.models):
+            self.models.append(weakref.ref(model))
+
+    def alive_models(self) -> list:
+        return [m for m in (ref() for ref in self.models) if m is not None]
 
     def zeros_batch(self):
         treedef, specs = self.template

@@ -34,8 +34,11 @@ back inside portddp's step, and writes the state the forward changed back into
 
 Uneven inputs: `for batch in ddp.uneven(batches)` yields `ddp.JOINED` once this
 rank is out of batches; `grad_fn(model, ddp.JOINED)` shadows the others' step
-(with broadcast_buffers, the hooked strategy's Bcast of rank 0's buffers too)
-and returns (None, the mean grads), leaving the model's state as it is.
+and returns (None, the mean grads). As in torch's join(), with broadcast_buffers
+every step of the loop starts from the buffers of the highest rank that still
+has a batch, which a joined rank takes into its model too (its other state is
+left alone), and when the loop ends every rank takes the last joiner's buffers
+into each model its grad_fn stepped eagerly in the loop.
 
 strategy="pmap" maps one process's devices, which share the process's model:
 every device starts from the same state (so the same RNG streams) and the
@@ -164,6 +167,15 @@ def broadcast(ddp, model):
     return model
 
 
+def take_buffers(ddp, model, src: int) -> None:
+    """Rank `src`'s buffers (the ones a step broadcasts) into `model` on every rank (ddp.uneven()'s end)."""
+    _graphdef, _params, buffers, _other = split_for(ddp, model)
+    leaves, tree = jax.tree.flatten(buffers)
+    if leaves:
+        values = ddp._sync_buffers(leaves, synchronises=False, src=src)
+        _nnx().update(model, jax.tree.unflatten(tree, [jnp.asarray(v) for v in values]))
+
+
 def filter_name(wrt) -> str:
     """`wrt=` as the config check shows it across ranks: what it selects, never an address (a
     filter function's repr differs per process)."""
@@ -225,7 +237,7 @@ def _set_plain_attributes(model, changes) -> None:
 
 def value_and_grad(ddp, loss_fn, has_aux: bool):
     """DistributedDataParallel.nnx_value_and_grad: see there and the module docstring."""
-    from portddp.jax.taps import checked_loss  # noqa: PLC0415
+    from portddp.jax.taps import checked_loss, traced as is_traced  # noqa: PLC0415
 
     nnx = _nnx()
     checked = checked_loss(loss_fn, has_aux, via="nnx_value_and_grad")
@@ -256,6 +268,8 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
                             f"{type(model).__name__}: for a parameter pytree use ddp.value_and_grad(loss_fn)")
         graphdef, params, buffers, other = split_for(ddp, model)
         inputs = (params, buffers, other, batch)
+        if ddp._uneven is not None and not is_traced(params):  # its buffers are synchronised at the loop's end
+            ddp._uneven.remember(model)
         traced.clear()
         loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
         nnx.update(model, buffers, other)
