@@ -113,13 +113,22 @@ def process_devices(world: int):
     return [first[p] for p in sorted(first)], first[jax.process_index()]
 
 
+_KEY_FIX = ("Keep RNG state in the model (nnx.Rngs, carried per rank by nnx_value_and_grad), or pass keys as "
+            "their data -- jax.random.key_data(keys), one key a row: shape (rows, ...) -- and make them keys again "
+            "inside loss_fn with jax.random.wrap_key_data")
+
+
 def _split_for_devices(batch, n: int):
     def split(x):
+        if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+            raise ValueError(f"a batch leaf is a JAX PRNG key: strategy='pmap' splits every batch leaf along its first "
+                             f"axis over the {n} devices, which a key cannot be. " + _KEY_FIX)
         x = np.asarray(x)
         if x.ndim == 0:
             raise ValueError(f"strategy='pmap' splits every batch leaf along its first axis over the {n} devices, but "
-                             f"a batch leaf is a scalar ({x.dtype}): give it a leading batch axis, or keep per-step "
-                             "constants (and RNG keys) out of the batch -- e.g. in the closure of loss_fn")
+                             f"a batch leaf is a scalar ({x.dtype}): give it a leading batch axis (a value for every "
+                             "row: jnp.broadcast_to(x, (rows,))), or keep it out of the batch -- a constant that "
+                             "never changes in loss_fn's closure, RNG state in the model (nnx.Rngs)")
         if x.shape[0] % n:
             raise ValueError(f"strategy='pmap' splits the batch over {n} devices, but a batch leaf has "
                              f"{x.shape[0]} rows: use a multiple of {n}")
@@ -280,8 +289,7 @@ def _process_rows(sharding, x, what: str):
     the leaf in errors ("batch leaf [1]", "state")."""
     if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
         raise ValueError(f"{what} is a JAX PRNG key: strategy='compiled' splits batch and state leaves along their "
-                         "first axis over the processes, which a key cannot be. Keep RNG state in the model "
-                         "(nnx.Rngs, carried per rank by nnx_value_and_grad)")
+                         "first axis over the processes, which a key cannot be. " + _KEY_FIX)
     x = np.asarray(x)
     if x.ndim == 0:
         raise ValueError(f"strategy='compiled' splits every batch leaf along its first axis over the processes, "

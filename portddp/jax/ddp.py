@@ -65,7 +65,7 @@ from portddp import launch, malloc, watchdog
 from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
-from portddp.jax import compiled, flax_nnx, taps
+from portddp.jax import closure, compiled, flax_nnx, taps
 from portddp.jax.comm import TRANSPORTS, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
 from portddp.protocol import (BROADCAST_CHECK, buffer_layout, buffer_sync_header, check_buffer_sync_header,
@@ -383,7 +383,7 @@ class DistributedDataParallel(DDPCommon):
             loss, aux = checked(params, batch)
             return loss, (aux, state)
 
-        step = self._grad_step(pure)
+        step = self._grad_step(pure, loss_fn)
 
         def grad_fn(params, batch, sync: bool = True):
             if flax_nnx.is_module(params):
@@ -550,21 +550,43 @@ class DistributedDataParallel(DDPCommon):
         return compiled.psum_buckets(self._plan, self._layout, leaves, axis_name, self._inv_world)
 
     # ---- one iteration: begin (the traced step), trigger (a tap per bucket), pack, launch
-    def _grad_step(self, fn):
+    def _grad_step(self, fn, source=None):
         """`step(static, params, state, batch, sync) -> (loss, aux, new_state, grads)` for
         `fn(static, params, state, batch) -> (loss, (aux, new_state))`, the one form every
         front end (value_and_grad, nnx_value_and_grad) reduces to: JAX's counterpart of forward.
         `static` is hashable and fixed per trace (an NNX GraphDef); `state` is per rank and not
         differentiated, and `state[0]` holds the buffers broadcast_buffers replaces with rank 0's
-        (None: no state)."""
-        local = jax.jit(jax.value_and_grad(fn, argnums=1, has_aux=True), static_argnums=0)
+        (None: no state). `source`: the user's loss_fn, whose captured values (closure, globals)
+        are watched: when one is replaced, the step is traced again (`closure.Captured`)."""
+        def jit_local():
+            return jax.jit(jax.value_and_grad(fn, argnums=1, has_aux=True), static_argnums=0)
+
+        local = [jit_local()]
         me = weakref.proxy(self)  # (for host callbacks: see _make_tap; the step itself holds the DDP)
+        captured = closure.Captured(source) if source is not None else None
+        warned = []
 
         def local_step(static, params, state, batch):
-            (loss, (aux, new_state)), grads = local(static, params, state, batch)
+            (loss, (aux, new_state)), grads = local[0](static, params, state, batch)
             return loss, aux, new_state, grads
 
         program = self._trace_iteration(fn) if self.strategy == "hooked" else None
+
+        def trace_again(name: str) -> None:
+            """A value loss_fn captured was replaced: forget every trace of this step (each plan's)."""
+            local[0] = jit_local()
+            for plan in self._plans.values():
+                for key in (fn, (program, False), (program, True)):
+                    plan.steps.pop(key, None)
+            if not warned:
+                warned.append(name)
+                warnings.warn(
+                    f"portddp: loss_fn {closure.describe(source)} reads {name!r} from outside its arguments (its "
+                    "closure or a global), and it changed since portddp compiled the step. portddp compiles loss_fn "
+                    "once, as jax.jit does, with the values it read then; it compiles it again now, and at every "
+                    "such change, so that it computes with the new values. To compile once, pass what changes as "
+                    "an argument: in the batch (grad_fn(params, (batch, value))), or as state of the model",
+                    RuntimeWarning, stacklevel=5)
 
         def xla_step(static, params, state, batch, scale):
             """compiled, pmap: one XLA program holds the iteration's collectives."""
@@ -595,6 +617,8 @@ class DistributedDataParallel(DDPCommon):
             self._check_parameters_unchanged(params)
             traced = taps.traced((params, state, batch))
             self._traced_seen |= bool(traced)
+            if captured is not None and not traced and (name := captured.changed()) is not None:
+                trace_again(name)  # (inside the caller's jit, its own trace holds what loss_fn read)
             if sync and self._values_differ:
                 frozen = flax_nnx.frozen_of(state[1], self._nnx_wrt) if isinstance(state, tuple) else []
                 self._check_same_values(params, taps.traced(params), frozen)

@@ -66,6 +66,11 @@ def is_module(x) -> bool:
     return "flax.nnx" in sys.modules and isinstance(x, _nnx().Module)
 
 
+def state_of(module):
+    """Everything a module holds (nnx.state): its arrays are what a trace reading it captures."""
+    return _nnx().state(module)
+
+
 def params_of(x, wrt=None):
     """A module's differentiated state (`wrt`, an nnx filter; default nnx.Param); anything else as it is."""
     if not is_module(x):
@@ -260,7 +265,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         _, _, buffers, other = split(model, paths(state[1]), ddp._nnx_wrt)
         return loss, (aux, (buffers, other))
 
-    step = ddp._grad_step(pure)
+    step = ddp._grad_step(pure, loss_fn)
 
     def grad_fn(model, batch, sync: bool = True):
         if not is_module(model):

@@ -135,6 +135,55 @@ def nnx_train(strategy: str, jit: bool = False, broadcast_buffers: bool = True):
         grads_type=type(grad_fn(model, batch_of(WORLD.rank, 0), sync=False)[1]).__name__, mask=mask)
 
 
+GENERATOR = {"w": jnp.ones(IN, F64)}  # read by critic_loss from the module's globals; the loop replaces it
+
+
+def critic_loss(params, batch):
+    """A GAN critic's loss: it reads the generator's current parameters from a global."""
+    x, _ = batch
+    fake = x * GENERATOR["w"]
+    return jnp.mean(jax.nn.softplus(-(x @ params["w"]))) + jnp.mean(jax.nn.softplus(fake @ params["w"]))
+
+
+def captured_values(strategy: str):
+    """loss_fn reading values that change between steps from outside its arguments -- a global pytree
+    (a GAN's generator), a closure cell (an annealed temperature), an NNX teacher module updated in
+    place -- computes with the current ones at every step, as jax.value_and_grad does (before, the
+    values of the first trace, silently), and says once that it compiles again for each change."""
+    import warnings  # noqa: PLC0415
+
+    global GENERATOR
+    xs = [batch_of(r, 0) for r in range(WORLD.size)]
+    everyone = (np.concatenate([x for x, _ in xs]), np.concatenate([y for _, y in xs]))
+    critic = {"w": jnp.linspace(-1.0, 1.0, IN, dtype=F64)}
+    temperature = 1.0
+    teacher = nnx.Linear(IN, OUT, rngs=nnx.Rngs(3), dtype=F64, param_dtype=F64)
+
+    def distil_loss(model, batch):
+        x, _ = batch
+        return jnp.mean((model(x) - teacher(x) / temperature) ** 2)
+
+    student = nnx.Linear(IN, OUT, rngs=nnx.Rngs(4), dtype=F64, param_dtype=F64)
+    critic_fn = DistributedDataParallel(critic, strategy=strategy).value_and_grad(critic_loss)
+    distil_fn = DistributedDataParallel(student, strategy=strategy).nnx_value_and_grad(distil_loss)
+    gaps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            _, got = critic_fn(critic, xs[WORLD.rank])
+            _, want = jax.value_and_grad(critic_loss)(critic, everyone)
+            _, got_nnx = distil_fn(student, xs[WORLD.rank])
+            want_nnx = nnx.grad(distil_loss)(student, everyone)
+            gaps.append(max(rel_diff(got, want), rel_diff(nnx.state(got_nnx, nnx.Param), nnx.state(want_nnx, nnx.Param))))
+            GENERATOR = {"w": GENERATOR["w"] * 0.5 + 0.3}
+            temperature *= 2.0
+            teacher.kernel[...] = teacher.kernel[...] * 0.5 + 0.1
+    said = [str(w.message) for w in caught if "from outside its arguments" in str(w.message)]
+    common.report(WORLD.rank, f"captured/{strategy}", gaps=gaps, warnings=len(said),
+                  names=sorted({m.split(" reads ")[1].split(" ")[0] for m in said}))
+    GENERATOR = {"w": jnp.ones(IN, F64)}
+
+
 def nnx_no_dropout_vs_global_batch(strategy: str):
     """Dropout off (deterministic) and BatchNorm in eval mode: then one process on the global batch is the
     reference, as for any model whose forward has no per-rank state."""
@@ -506,6 +555,7 @@ def main(strategies):
         plain_attributes(strategy)
         wrt_subset(strategy)
         scalar_batch_leaf(strategy)
+        captured_values(strategy)
     if "hooked" in strategies:
         nnx_train("hooked", jit=True)
         nnx_train("hooked", broadcast_buffers=False)
