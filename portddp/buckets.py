@@ -152,16 +152,16 @@ class BucketPlan:
 def cap_bytes(value, what: str) -> int:
     """Turn a cap in MB into bytes, refusing what cannot be a cap.
 
-    `math.inf` means "no cap" (one bucket per dtype)."""
-    if isinstance(value, bool) or not isinstance(value, Real) or math.isnan(value) or value <= 0:
+    `math.inf` means "no cap" (one bucket per dtype); 0, as in native DDP, one tensor per bucket."""
+    if isinstance(value, bool) or not isinstance(value, Real) or math.isnan(value) or value < 0:
         raise ValueError(
-            f"{what}={value!r} is not a valid bucket size: pass a number of megabytes > 0 "
-            f"(e.g. {what}=25.0), or math.inf for a single bucket"
+            f"{what}={value!r} is not a valid bucket size: pass a number of megabytes >= 0 "
+            f"(e.g. {what}=25.0; 0: one tensor per bucket), or math.inf for a single bucket"
             + (", or 'auto' to time a few caps and keep the fastest" if what == "bucket_cap_mb" else "")
         )
     if math.isinf(value):
         return 2**63 - 1  # PyTorch uses sys.maxsize for "one bucket"
-    return max(1, int(value * MB))
+    return max(1, int(value * MB)) if value > 0 else 0
 
 
 def assign_by_size(

@@ -100,12 +100,18 @@ def test_rebuild_follows_ready_order():
         rebuild_plan(plan, [0, 0], 1.0, 1.0)
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "25", None, True])
+@pytest.mark.parametrize("bad", [-1e-9, -1.0, float("nan"), "25", None, True])
 def test_bad_caps_are_refused_with_the_value(bad):
     with pytest.raises(ValueError, match=r"bucket_cap_mb=.*megabytes"):
         plan_buckets([ParamSpec("w", (3,), "float32")], bucket_cap_mb=bad)
     with pytest.raises(ValueError, match=r"first_bucket_cap_mb="):
         plan_buckets([ParamSpec("w", (3,), "float32")], first_bucket_cap_mb=bad)
+
+
+def test_a_zero_cap_means_one_tensor_per_bucket_as_native():
+    specs = [ParamSpec(f"p{i}", (1000,), "float32") for i in range(5)]
+    plan = plan_buckets(specs, 0, 0)
+    assert len(plan.buckets) == 5 and all(len(b.params) == 1 for b in plan.buckets)
 
 
 def test_infinite_cap_means_one_bucket_per_dtype():

@@ -58,7 +58,7 @@ def test_tuner_only_with_auto():
     assert t1.first == c.bucket_cap_mb  # the plan built at construction is the tuner's first trial
 
 
-@pytest.mark.parametrize("cap", [0, -1, float("nan"), "big", "Auto", True, [25]])
+@pytest.mark.parametrize("cap", [-0.5, -1, float("nan"), "big", "Auto", True, [25]])
 def test_bad_bucket_cap_is_refused_naming_it_and_auto(cap):
     with pytest.raises(ValueError) as e:
         resolve(cap)
@@ -67,7 +67,7 @@ def test_bad_bucket_cap_is_refused_naming_it_and_auto(cap):
     assert "math.inf for a single bucket, or 'auto' to time a few caps" in msg
 
 
-@pytest.mark.parametrize("first", [0, -2.5, "auto", False])
+@pytest.mark.parametrize("first", [-1, -2.5, "auto", False])
 def test_bad_first_cap_is_refused_naming_it(first):
     with pytest.raises(ValueError) as e:
         resolve(25, first)
@@ -77,8 +77,8 @@ def test_bad_first_cap_is_refused_naming_it(first):
 
 
 def test_bad_first_cap_is_refused_even_when_the_cap_is_auto():
-    with pytest.raises(ValueError, match="first_bucket_cap_mb=0 "):
-        resolve("auto", 0)
+    with pytest.raises(ValueError, match="first_bucket_cap_mb=-1 "):
+        resolve("auto", -1)
 
 
 def test_unknown_transport_lists_the_choices():

@@ -108,7 +108,7 @@ BAD = [
     ("count_mismatch", TRANSPORTS, r"rank 0 has 4 trainable parameters, rank \d has 6; the first one only rank \d has is '2\.weight'"),
     ("unused_some_ranks", TRANSPORTS, r"no gradient .*'branch\.weight' \(on 1 of \d ranks\).*find_unused_parameters=True"),
     ("unused_all_ranks", TRANSPORTS, r"no gradient .*'branch\.weight' \(on (\d) of \1 ranks\).*find_unused_parameters=True"),
-    ("bad_cap=0", ("c10d",), r"bucket_cap_mb=0\.0 is not a valid bucket size: pass a number of megabytes > 0"),
+    ("bad_cap=-0.5", ("c10d",), r"bucket_cap_mb=-0\.5 is not a valid bucket size: pass a number of megabytes >= 0"),
     ("bad_cap=-1", ("mpi",), r"bucket_cap_mb=-1\.0 is not a valid bucket size"),
     ("bad_first_cap=big", ("c10d",), r"first_bucket_cap_mb='big' is not a valid bucket size"),
     ("unknown_transport", ("c10d",), r"unknown transport 'carrier-pigeon': choose one of \('c10d', 'mpi'\)"),

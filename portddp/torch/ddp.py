@@ -737,7 +737,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if not self._expect_grads:
             raise RuntimeError(
                 f"gradient of {self._names[i]!r} arrived outside a DDP iteration: run one backward per "
-                "forward of the DistributedDataParallel wrapper (a second backward needs another forward)"
+                "forward of the DistributedDataParallel wrapper (a second backward needs another forward). For two "
+                "losses of one forward, backpropagate their sum once: (loss1 + loss2).backward() gives the same "
+                "gradients as loss1.backward(retain_graph=True); loss2.backward(), all of them averaged (native "
+                "DDP averages only the first backward's and leaves the second's on each rank as it is)"
             )
         if self.static_graph and self._static_gradient_incomplete(i):
             return
