@@ -20,6 +20,7 @@ neither a pytree nor an NNX module.
 
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import types
@@ -114,13 +115,15 @@ def _snapshot(fn) -> list[tuple[str, list]]:
     return found
 
 
-def _names_of(code: types.CodeType) -> list[str]:
-    """The global names `code` and the code nested in it (lambdas, comprehensions) use, in order."""
-    out = list(code.co_names)
+@functools.lru_cache(maxsize=1024)
+def _names_of(code: types.CodeType) -> tuple[str, ...]:
+    """The global names `code` and the code nested in it (lambdas, comprehensions) load, in order
+    (not attribute names: `state.params` is no read of a global `params`)."""
+    out = [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            out += [n for n in _names_of(const) if n not in out]
-    return out
+            out += _names_of(const)
+    return tuple(dict.fromkeys(out))
 
 
 def _arrays_of(value) -> list:
