@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from portddp.jax.closure import Captured
+
+
+def learnt(fn, *args) -> Captured:
+    """A watch of `fn` as after a trace with `args` (its constants) or, without args, of everything."""
+    watch = Captured(fn)
+    assert watch.changed() is None and not watch.learnt  # nothing to compare before the first trace
+    watch.learn(jax.make_jaxpr(fn)(*args).consts if args else None)
+    return watch
 
 SCALE = jnp.ones(3)
 params = jnp.zeros(3)  # a global that shares its name with an attribute loss functions read
@@ -29,35 +38,34 @@ def reads_an_attribute(p, state):
 
 def test_a_replaced_global_read_through_a_helper_is_named():
     global SCALE
-    watch = Captured(reads_a_global_through_a_helper)
-    assert watch.changed() is None  # the first call: what the trace reads
+    watch = learnt(reads_a_global_through_a_helper, jnp.ones(3), jnp.ones(3))
     assert watch.changed() is None
     old, SCALE = SCALE, SCALE + 1
     try:
-        assert watch.changed() == "SCALE"
-        assert watch.changed() is None  # held from the retrace on
+        assert watch.changed() == "SCALE" and not watch.learnt  # learnt again after the trace it calls for
     finally:
         SCALE = old
 
 
 def test_numbers_compare_by_value_arrays_by_identity():
     global TEMPERATURE
-    watch = Captured(reads_a_global_through_a_helper)
-    watch.changed()
+    watch = learnt(reads_a_global_through_a_helper, jnp.ones(3), jnp.ones(3))
     old = TEMPERATURE
     try:
         TEMPERATURE = float("1.0")  # an equal number: nothing to trace again
         assert watch.changed() is None
         TEMPERATURE = 0.5
         assert watch.changed() == "TEMPERATURE"
+        TEMPERATURE = float("nan")
+        watch.learn(None)
+        assert watch.changed() is None  # (NaN is NaN: no trace every call)
     finally:
         TEMPERATURE = old
 
 
 def test_an_attribute_is_no_read_of_a_global_of_that_name():
     global params
-    watch = Captured(reads_an_attribute)
-    watch.changed()
+    watch = learnt(reads_an_attribute)
     old, params = params, params + 1
     try:
         assert watch.changed() is None
@@ -71,8 +79,7 @@ def test_closure_cells_and_partial_arguments():
     def loss(p, batch, mask):
         return jnp.sum(p * weights["w"] * mask) + batch
 
-    watch = Captured(functools.partial(loss, mask=np.ones(2)))
-    watch.changed()
+    watch = learnt(functools.partial(loss, mask=np.ones(2)))
     weights = {"w": jnp.zeros(2)}  # noqa: F841 -- read through the closure cell
     assert watch.changed() == "weights"
 
@@ -82,11 +89,45 @@ def test_an_nnx_teacher_updated_in_place():
 
     teacher = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
 
-    def loss(model, x):
-        return jnp.mean((model(x) - teacher(x)) ** 2)
+    def loss(w, x):
+        return jnp.mean((x @ w - teacher(x)) ** 2)
 
-    watch = Captured(loss)
-    watch.changed()
+    watch = learnt(loss, jnp.ones((2, 2)), jnp.ones((1, 2)))
     assert watch.changed() is None
     teacher.kernel[...] = teacher.kernel[...] * 0.5
     assert watch.changed() == "teacher"
+
+
+def test_arrays_the_trace_does_not_use_are_not_watched():
+    """A global pytree read for something static (a TrainState's apply_fn) whose arrays change every
+    step: not constants of the trace, so no retrace at every step."""
+    import types
+
+    state = types.SimpleNamespace()  # not a pytree: stands for the loss reading one field of a global
+    table = {"used": jnp.ones(2), "unused": jnp.zeros(2)}
+
+    def loss(p, x):
+        return jnp.sum(p * x * table["used"])
+
+    watch = learnt(loss, jnp.ones(2), jnp.ones(2))
+    table["unused"] = table["unused"] + 1
+    assert watch.changed() is None
+    table["used"] = table["used"] + 1
+    assert watch.changed() == "table"
+    del state
+
+
+def test_a_methods_instance_attributes_it_reads():
+    class Trainer:
+        def __init__(self):
+            self.temperature, self.step = 2.0, 0
+
+        def loss(self, p, x):
+            return jnp.sum(p * x) / self.temperature
+
+    trainer = Trainer()
+    watch = learnt(trainer.loss, jnp.ones(2), jnp.ones(2))
+    trainer.step += 1  # not read by the loss
+    assert watch.changed() is None
+    trainer.temperature = 4.0
+    assert watch.changed() == "self.temperature"

@@ -8,14 +8,15 @@ jax.value_and_grad, which grad_fn stands in for, reads them at every call. `Capt
 those values and says when one was replaced, so that the step is traced again with the new
 ones instead of silently computing with the old.
 
-Found: loss_fn's closure cells and the globals its code names (nested lambdas and
-comprehensions included), a functools.partial's arguments, a bound method's instance, and
-the same in the functions of the user's own code these name, a few calls deep (library code
-is not searched). Arrays -- alone, in pytrees, in a Flax NNX module or Variable -- are
-compared by identity: a JAX array is immutable, so a new value is a new object (an NNX
-Variable's too); Python numbers and strings by value. Not seen: a numpy array changed in
-place, and values reached through a module attribute (`config.scale`) or an object that is
-neither a pytree nor an NNX module.
+Found: loss_fn's closure cells and the globals its code loads (nested lambdas and
+comprehensions included), a functools.partial's arguments, the attributes a bound method
+reads from its instance, and the same in the functions of the user's own code these name, a
+few calls deep (library code is not searched). JAX arrays -- alone, in pytrees, in a Flax NNX
+module -- are watched by identity, and only those the trace made constants (`learn`): a new
+value is a new object, a JAX array being immutable (an NNX Variable's value too); numpy arrays
+by identity; numbers and strings bound to a name by value. Not seen: a number inside a
+container (the trace inlines numbers: whether it read one cannot be told), a numpy array
+changed in place, and values reached through a module or class attribute (`config.scale`).
 """
 
 from __future__ import annotations
@@ -36,34 +37,55 @@ _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "scipy", "portddp", "ch
               "functools", "builtins", "math")
 _DEPTH = 3  # user functions followed from loss_fn
 _MAX_LEAVES = 100_000  # a pytree larger than this is not a captured value anyone changes per step
-_SCALARS = (bool, int, float, complex, str)
+_SCALARS = (bool, int, float, complex, str, np.generic)
 
 
 class Captured:
-    """The values `fn` reads from outside its arguments, as held at the last trace."""
+    """The values `fn` reads from outside its arguments, as the last trace read them.
+
+    `learn(consts)` after each trace: of the JAX arrays found, only those the trace made constants
+    (`jax.make_jaxpr(...).consts`) are watched -- a global TrainState whose `apply_fn` alone the
+    loss uses is not watched for its parameters --, numbers, strings and numpy arrays always (a
+    number goes into a program as a literal, a numpy array as a copy). Held strongly: the program
+    holds them as constants anyway, and identity needs them alive."""
 
     def __init__(self, fn):
         self._fn = fn
-        self._held: list[tuple[str, list]] | None = None
+        self._held: list[tuple[str, list]] | None = None  # None: nothing learnt (before the first trace)
+        self.retraces = 0
 
     def changed(self) -> str | None:
-        """The name of a captured value replaced since the last call (the first call, or a call
-        after a change: the values the next trace reads, held from now on), else None."""
-        now = _snapshot(self._fn)
-        held, self._held = self._held, now
-        if held is None:
+        """The name of a watched value replaced since the last trace, else None (also before the
+        first trace)."""
+        if self._held is None:
             return None
-        if [name for name, _ in held] != [name for name, _ in now]:
-            return next((n for n in {name for name, _ in now} ^ {name for name, _ in held}), now[0][0] if now else "?")
-        for (name, before), (_, after) in zip(held, now):
-            if len(before) != len(after) or not all(_same(a, b) for a, b in zip(before, after)):
+        now = dict(_snapshot(self._fn))
+        for name, held in self._held:
+            values = now.get(name)
+            if values is None or len(values) != len(held) or not all(
+                    h is None or _same(h, v) for h, v in zip(held, values)):
+                self._held = None  # (learnt again after the trace this change calls for)
+                self.retraces += 1
                 return name
         return None
+
+    @property
+    def learnt(self) -> bool:
+        return self._held is not None
+
+    def learn(self, consts) -> None:
+        """Right after a trace: hold what it read. `consts`: its constants, or None if unknown
+        (then every array found is watched)."""
+        kept = None if consts is None else {id(c) for c in consts}
+        self._held = [(name, [v if kept is None or not isinstance(v, jax.Array) or id(v) in kept else None
+                              for v in values]) for name, values in _snapshot(self._fn)]
+        self._held = [(name, held) for name, held in self._held if any(h is not None for h in held)]
 
 
 def _same(a, b) -> bool:
     if isinstance(a, _SCALARS) or isinstance(b, _SCALARS):
-        return type(a) is type(b) and a == b
+        # (by value: an equal number is the same literal in a program; NaN equals NaN here)
+        return type(a) is type(b) and (a == b or a != a and b != b)
     return a is b
 
 
@@ -94,7 +116,14 @@ def _snapshot(fn) -> list[tuple[str, list]]:
             visit(f.func, depth, where)
             return
         if isinstance(f, types.MethodType):
-            consider(f"{where}.__self__", f.__self__, depth + 1)
+            owner = f.__self__
+            if _arrays_of(owner) or not hasattr(owner, "__dict__") or isinstance(owner, type):
+                consider(f"{where}.__self__", owner, depth + 1)
+            else:  # an object of the user's: the attributes the method reads (self.temperature)
+                read = _attributes_of(f.__func__.__code__) if hasattr(f.__func__, "__code__") else ()
+                for attr in read:
+                    if attr in vars(owner):
+                        consider(f"self.{attr}", vars(owner)[attr], depth + 1)
             visit(f.__func__, depth, where)
             return
         if not isinstance(f, types.FunctionType) or (f.__module__ or "").split(".")[0] in _LIBRARIES:
@@ -116,6 +145,16 @@ def _snapshot(fn) -> list[tuple[str, list]]:
 
 
 @functools.lru_cache(maxsize=1024)
+def _attributes_of(code: types.CodeType) -> tuple[str, ...]:
+    """The attribute names `code` (and the code nested in it) loads, in order."""
+    out = [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD")]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out += _attributes_of(const)
+    return tuple(dict.fromkeys(out))
+
+
+@functools.lru_cache(maxsize=1024)
 def _names_of(code: types.CodeType) -> tuple[str, ...]:
     """The global names `code` and the code nested in it (lambdas, comprehensions) load, in order
     (not attribute names: `state.params` is no read of a global `params`)."""
@@ -127,19 +166,23 @@ def _names_of(code: types.CodeType) -> tuple[str, ...]:
 
 
 def _arrays_of(value) -> list:
-    """The arrays (and Python numbers) `value` holds -- an array, a pytree, a Flax NNX module or
-    Variable -- or [] (anything else: an object of the user's that is no pytree)."""
+    """The arrays `value` holds -- an array, a pytree, a Flax NNX module or Variable -- or []
+    (anything else: an object of the user's that is no pytree)."""
     if isinstance(value, (jax.Array, np.ndarray)):
         return [value]
     if flax_nnx.is_module(value):
         value = flax_nnx.state_of(value)
+    elif isinstance(value, (list, tuple, dict)) and len(value) > _MAX_LEAVES:
+        return []
     try:
         leaves = jax.tree.leaves(value)  # (any registered pytree: dicts, nnx.State, dataclasses, ...)
     except Exception:  # noqa: BLE001 -- (not a pytree JAX can flatten: nothing loss_fn traces as arrays)
         return []
     if len(leaves) > _MAX_LEAVES or len(leaves) == 1 and leaves[0] is value:  # (an object of the user's)
         return []
-    return [x for x in leaves if isinstance(x, (jax.Array, np.ndarray, *_SCALARS))]
+    # (numbers inside a pytree are not watched: a TrainState's step counts every step, and whether
+    # the loss reads it cannot be told from the trace, which inlines numbers)
+    return [x for x in leaves if isinstance(x, (jax.Array, np.ndarray))]
 
 
 def describe(fn) -> str:

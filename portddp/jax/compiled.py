@@ -174,7 +174,8 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
     every process's step count (None for pmap))` with XLA
     scheduling the bucket psums, for `fn(static, params, state, batch) -> (loss, (aux, new_state))`
     (see DistributedDataParallel._grad_step). `state` is per rank: "compiled" passes it as
-    one row per process, and with broadcast_buffers its buffers (`state[0]`) become rank 0's
+    one row per process, and with broadcast_buffers its buffers (`state[0]`) become rank 0's (inside
+    ddp.uneven(): the highest rank's with a batch)
     by an all_gather inside the program; "pmap" hands every device the process's state and
     keeps the first device's result (one process: its buffers are rank 0's already)."""
     reduced, hlo = _reducer(plan, layout, world), {}
@@ -241,7 +242,7 @@ def make_step(strategy: str, plan: BucketPlan, layout: Layout, fn, world: int, b
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
 
     def step(static, params, state, batch, scale=None, steps: int = 0):
-        """`scale` (ddp.uneven() while some rank has joined): this process's weight, 1 or 0 (joined);
+        """`scale` (inside ddp.uneven()): this process's weight, 1 or 0 (joined);
         every process then runs the weighted program, which zeroes a joined rank's gradients.
         `steps`: this process's step count; the result's last item holds every process's."""
         state = _state_arrays(state)

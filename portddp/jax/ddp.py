@@ -481,6 +481,10 @@ class DistributedDataParallel(DDPCommon):
         if self._tuner is not None and not self._tuner.done:
             raise RuntimeError(f"uneven() with bucket_cap_mb='auto' is refused while the caps are still being timed "
                                f"(the first {self._tuner.iterations} synchronised steps): pass a fixed bucket_cap_mb")
+        if self._mixed:
+            raise ValueError("ddp.uneven() in a job shared with PyTorch ranks is not supported: their join() issues "
+                             "other collectives than uneven()'s agreement, and the ranks would pair them wrongly. "
+                             "Give every rank the same number of batches (a DistributedSampler with drop_last=True)")
         if not divide_by_initial_world_size and (self.strategy != "hooked" or self._hook is not None):
             raise ValueError("uneven(divide_by_initial_world_size=False) needs strategy='hooked' without a comm hook "
                              "(it changes the divisor per step on the host): use the default (divide by the initial "
@@ -555,16 +559,16 @@ class DistributedDataParallel(DDPCommon):
         `fn(static, params, state, batch) -> (loss, (aux, new_state))`, the one form every
         front end (value_and_grad, nnx_value_and_grad) reduces to: JAX's counterpart of forward.
         `static` is hashable and fixed per trace (an NNX GraphDef); `state` is per rank and not
-        differentiated, and `state[0]` holds the buffers broadcast_buffers replaces with rank 0's
-        (None: no state). `source`: the user's loss_fn, whose captured values (closure, globals)
-        are watched: when one is replaced, the step is traced again (`closure.Captured`)."""
+        differentiated, and `state[0]` holds the buffers broadcast_buffers replaces with rank 0's (in
+        uneven(): the highest rank's with a batch; None: no state). `source`: the user's loss_fn,
+        whose captured values (closure, globals) are watched: when one the trace read is
+        replaced, the step is traced again (`closure.Captured`)."""
         def jit_local():
             return jax.jit(jax.value_and_grad(fn, argnums=1, has_aux=True), static_argnums=0)
 
         local = [jit_local()]
         me = weakref.proxy(self)  # (for host callbacks: see _make_tap; the step itself holds the DDP)
         captured = closure.Captured(source) if source is not None else None
-        warned = []
 
         def local_step(static, params, state, batch):
             (loss, (aux, new_state)), grads = local[0](static, params, state, batch)
@@ -578,15 +582,20 @@ class DistributedDataParallel(DDPCommon):
             for plan in self._plans.values():
                 for key in (fn, (program, False), (program, True)):
                     plan.steps.pop(key, None)
-            if not warned:
-                warned.append(name)
+            n = captured.retraces
+            if n in (1, 10, 100) or n % 1000 == 0:  # (said again as it goes on: each time is a compile)
+                if self.strategy == "hooked":
+                    fix = "in the batch (grad_fn(params, (batch, value))) or as state of an NNX model"
+                else:  # (their batch is split over the ranks or devices)
+                    fix = ("as state of an NNX model (an nnx.Variable), or in the batch with a copy for every row "
+                           "(jnp.broadcast_to(value, (rows, *value.shape))): strategy=" + repr(self.strategy) +
+                           " splits the batch over the " + ("ranks" if self.strategy == "compiled" else "devices"))
                 warnings.warn(
                     f"portddp: loss_fn {closure.describe(source)} reads {name!r} from outside its arguments (its "
-                    "closure or a global), and it changed since portddp compiled the step. portddp compiles loss_fn "
-                    "once, as jax.jit does, with the values it read then; it compiles it again now, and at every "
-                    "such change, so that it computes with the new values. To compile once, pass what changes as "
-                    "an argument: in the batch (grad_fn(params, (batch, value))), or as state of the model",
-                    RuntimeWarning, stacklevel=5)
+                    f"closure or a global), and it changed since portddp compiled the step ({n} time(s) so far). "
+                    "portddp compiles loss_fn once, as jax.jit does, with the values it read then; it compiles it "
+                    "again at every such change, so that it computes with the new values. To compile once, pass "
+                    f"what changes as an argument: {fix}", RuntimeWarning, stacklevel=5)
 
         def xla_step(static, params, state, batch, scale):
             """compiled, pmap: one XLA program holds the iteration's collectives."""
@@ -692,12 +701,16 @@ class DistributedDataParallel(DDPCommon):
                     raise
                 raise self._callback_errors[0] from None  # portddp's own message, not XLA's wrapper
 
-        def ended_on_error(*args):
+        def ended_on_error(static, params, state, batch, *sync):
             try:
-                return step(*args)
+                out = step(static, params, state, batch, *sync)
             except BaseException:  # (a call that failed ended whatever iteration it opened: eager, or
                 _OPEN.release(self)  # run op by op under the caller's jax.grad before it was refused)
                 raise
+            if captured is not None and not captured.learnt and not isinstance(batch, Joined) and not taps.traced(
+                    (params, state, batch)):  # the step just traced loss_fn: what did it read?
+                captured.learn(_constants_of(fn, static, params, state, batch))
+            return out
 
         return ended_on_error
 
@@ -874,13 +887,15 @@ class DistributedDataParallel(DDPCommon):
         model its grad_fn stepped eagerly in the loop (`counts`: how many, per rank). Params need
         nothing: every rank applied the same mean gradients. A model stepped only inside the
         caller's jit is not held here (its step sees a copy): broadcast it yourself if needed."""
-        if not self.broadcast_buffers or self._mixed:
+        if not self.broadcast_buffers:
             return
-        if len(set(counts)) > 1:
-            raise RuntimeError(
-                f"ddp.uneven() ended with grad_fn having stepped {counts} Flax NNX model(s) eagerly on ranks "
-                f"{list(range(self.world_size))}: every rank must make the same grad_fn calls in the loop (JOINED "
-                "included, eagerly or inside jit alike), so that the last joiner's buffers reach the same models")
+        if len(set(counts)) > 1:  # (every rank knows the counts: every rank skips alike)
+            warnings.warn(
+                f"portddp: ddp.uneven() ended with grad_fn having stepped {counts} Flax NNX model(s) eagerly on "
+                f"ranks {list(range(self.world_size))} (the others inside jit, whose models the loop cannot reach), "
+                f"so no rank takes the last joiner's (rank {step.src}'s) buffers: each keeps what its last step "
+                "left. Call ddp.broadcast(model) after the loop for rank 0's everywhere", RuntimeWarning, stacklevel=3)
+            return
         for model in step.alive_models():
             flax_nnx.take_buffers(self, model, step.src)
 
@@ -1343,6 +1358,16 @@ def _fingerprint(leaves) -> str | None:
         flat = np.ascontiguousarray(np.asarray(leaf)).reshape(-1)
         digest.update(zlib.crc32(flat.view(np.uint8).data).to_bytes(4, "little") + flat.nbytes.to_bytes(8, "little"))
     return digest.hexdigest()
+
+
+def _constants_of(fn, static, params, state, batch) -> list | None:
+    """The constants of `fn`'s trace -- the arrays it read from outside its arguments -- or None
+    where it cannot be traced on its own here (then every array it names is watched)."""
+    try:
+        # (a new function each time: make_jaxpr would hand back its cached trace of `fn`, old constants)
+        return jax.make_jaxpr(lambda *args: fn(*args), static_argnums=0)(static, params, state, batch).consts
+    except Exception:  # noqa: BLE001 -- (e.g. a collective over an axis only the compiled program has)
+        return None
 
 
 def _zeros_like(tree):

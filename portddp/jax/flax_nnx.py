@@ -166,7 +166,7 @@ def broadcast(ddp, model):
             "specs": [(jax.tree_util.keystr(p), tuple(jnp.shape(x)), jnp.dtype(x.dtype).name) for p, x in leaves]})
         check_same_config([{"broadcast_buffers": e["broadcast_buffers"]} for e in everyone])
         check_same_specs([e["specs"] for e in everyone], "model buffers differ across ranks", "buffer", "buffers")
-    values = ddp._sync_buffers([x for _, x in leaves], synchronises=False)
+    values = ddp._sync_buffers([x for _, x in leaves], synchronises=False, src=0)  # (rank 0's, also inside uneven())
     buffers = jax.tree.unflatten(jax.tree.structure(buffers), [jnp.asarray(v) for v in values])
     _nnx().update(model, params, buffers)
     return model

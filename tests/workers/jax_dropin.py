@@ -169,7 +169,7 @@ def captured_values(strategy: str):
     gaps = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(2):
+        for step in range(3):
             _, got = critic_fn(critic, xs[WORLD.rank])
             _, want = jax.value_and_grad(critic_loss)(critic, everyone)
             _, got_nnx = distil_fn(student, xs[WORLD.rank])
