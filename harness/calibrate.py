@@ -44,6 +44,8 @@ def run_overlap(n: int, hosts: int, link: str, out_dir: str, extra: list[str]) -
 def matched_rate(n: int, hosts: int, extra: list[str]) -> tuple[str, dict]:
     """One short calibration run on an unshaped link measures the backward compute time and the
     bytes a host sends per step; the rate is their ratio (rounded to 10 Mbit/s)."""
+    print("calibration: --link matched: first a short run on an unshaped link (torch-c10d, 2 rounds) to measure "
+          "the backward pass and the bytes a host sends per step; its result is discarded", flush=True)
     # (the pid in its name: after a kill -9, the next cluster's start removes it -- cluster.cleanup_stale)
     with tempfile.TemporaryDirectory(prefix=f"{cluster.CALIBRATE_DIR}{os.getpid()}-") as tmp:
         payload = run_overlap(n, hosts, "unlimited", tmp, [*extra, "--impls", "torch-c10d", "--rounds", "2",

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -133,7 +134,12 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
                 for _label, t in order:
                     for _ in range(cfg.steps_per_round):
                         t.step()
-            for r in range(max(v.rounds or cfg.rounds for v in members)):
+            n_rounds, started, told = max(v.rounds or cfg.rounds for v in members), time.perf_counter(), 0.0
+            for r in range(n_rounds):
+                now = time.perf_counter() - started
+                if now - told > 20:  # (long runs only: a line at most every 20 s)
+                    say(f"      round {r + 1}/{n_rounds} ({now:.0f} s so far)", flush=True)
+                    told = now
                 for label, t in rotated(order, r):
                     with no_collection():
                         # (every turn starts together: else a communicating variant's first step would

@@ -7,7 +7,7 @@
     portddp report                      # python -m comparisons.report
     portddp cluster -n 4 --hosts 2 --link 1gbit -- python train.py   # an emulated cluster (root)
     portddp run overlap -n 2 --hosts 2 --link 500mbit                 # an experiment on it
-    portddp simulate results/overlap-n2-h2-600mbit.json --world 64 --link 10gbit --bucket-cap 4
+    portddp simulate results/overlap-n2-h2-1gbit.json --world 64 --link 10gbit --bucket-cap 4
 
 run, compare, mixed and report start the entry points of the source checkout
 (experiments/, comparisons/ and the harness/ below them), which are not
@@ -162,7 +162,16 @@ def _preflight(command: str, module: str, args: list[str]) -> None:
     name = module.rsplit(".", 1)[1]
     prog = f"portddp run {name} [-n N] [--hosts H] [--link RATE] [--]" if command == "run" else \
         f"portddp {command} [-n N] [--hosts H] [--link RATE] [--]"
-    parse_config(config, args, prog=prog)
+    cfg = parse_config(config, args, prog=prog)
+    # ... and the values every rank would refuse once launched (each with its own copy of the message)
+    if isinstance(cfg, ExperimentConfig):
+        from harness.adapter import check_implementations  # noqa: PLC0415
+        from portddp.models import MODELS  # noqa: PLC0415
+
+        cfg.validate_schedule()
+        check_implementations(sorted(cfg.implementations()))
+        if isinstance(getattr(cfg, "model", None), str) and cfg.model not in MODELS:
+            raise SystemExit(f"--model {cfg.model}: unknown model; choose one of {', '.join(MODELS)}")
 
 
 def _check(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

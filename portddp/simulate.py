@@ -509,7 +509,8 @@ def main(argv=None) -> int:
     import time  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(prog="portddp simulate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("result", help="an overlap experiment's JSON (e.g. results/overlap-n2-h2-600mbit.json)")
+    parser.add_argument("result", help="an overlap experiment's JSON (e.g. results/overlap-n2-h2-1gbit.json, written by `portddp run overlap -n 2 "
+                        "--hosts 2 --link 1gbit`)")
     parser.add_argument("--impl", default="torch-c10d", help="which implementation's row to replay: torch-c10d, "
                         "torch-mpi or jax-hooked (rows with per-bucket events; native and jax-compiled have none); "
                         "its '(no overlap)' row, when the result has one, is read for the fit")
@@ -574,6 +575,18 @@ def main(argv=None) -> int:
                  first_bucket_cap_mb=ns.first_bucket_cap, overlap=not ns.no_overlap, compression=ns.compression,
                  no_sync_every=ns.no_sync_every, compute_scale=ns.compute_scale)
     took = time.perf_counter() - t0
+    # The measured point itself, replayed: how far the model is from its own trace (a noisy trace --
+    # a shared machine, few rounds -- shows here, before any extrapolation is trusted).
+    measured = rows[ns.impl]["median_s"]
+    own = simulate(off, model, world=world, rate_bps=trace_rate).step_s
+    if not ns.no_overlap and measured > 0 and abs(own / measured - 1) > 0.10:
+        print(f"portddp simulate: warning: replayed at its own point ({_count(world, 'rank')}, link "
+              f"{_rate_text(trace_rate) if crossed else 'loopback'}) the model gives a step of {own * 1e3:.1f} ms, "
+              f"{(own / measured - 1) * 100:+.0f} % from the {measured * 1e3:.1f} ms measured: the trace's rows "
+              "disagree (its row without overlap, which is replayed, took longer or shorter outside the backward "
+              "pass than the row with overlap -- noise on a busy machine, or too few rounds). Read the prediction "
+              "with that error in mind, or measure again on a quiet machine with more rounds (-- --rounds 8)",
+              file=sys.stderr)
     if not crossed:
         where = ("on one emulated host, whose ranks all-reduced in its shared memory" if payload.get("cluster") else
                  "on this machine's loopback, not on an emulated cluster")
@@ -584,7 +597,7 @@ def main(argv=None) -> int:
     _note_fit(ns.result, model.link, samples_from_trace(off, trace_rate))
     print(f"trace: {ns.impl} from {ns.result} ({_count(world, 'rank')}, link "
           f"{_rate_text(trace_rate) if crossed else 'loopback'}): measured step "
-          f"{rows[ns.impl]['median_s'] * 1e3:.1f} ms")
+          f"{measured * 1e3:.1f} ms, replayed {own * 1e3:.1f} ms ({(own / measured - 1) * 100:+.1f} %)")
     print(f"link model: alpha {link.alpha_s * 1e6:.1f} us per all-reduce, {link.hop_s * 1e6:.1f} us per ring step, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
           + (f"(host-bound at {8 / link.host_s_per_byte / 1e9:.2f} Gbit/s)" if link.host_s_per_byte else
              "(wire-bound)") + f"; contention: compute x(1 + {model.kappa:.2f} f), communication beside compute "
