@@ -92,6 +92,17 @@ class Variant:
 
 def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentConfig, object], Sequence[Variant]]
         ) -> dict:
+    """The experiment `name`: its variants measured as the module docstring says, the result JSON
+    written (and returned). Ctrl-C: one line per rank and exit 130, no traceback."""
+    try:
+        return _run(name, cfg, make_variants)
+    except KeyboardInterrupt:
+        print(f"{name}: rank {detect().rank} interrupted (Ctrl-C): no result written", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def _run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentConfig, object], Sequence[Variant]]
+         ) -> dict:
     cfg.validate_schedule()
     check_implementations(sorted(cfg.implementations()))
     launched = detect().size
