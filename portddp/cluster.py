@@ -459,28 +459,38 @@ def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = Fal
 def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool) -> int:
     say = (lambda *a: None) if quiet else (lambda msg: print(f"portddp cluster: {msg}", file=sys.stderr, flush=True))
     # The launcher's pid in the directory's name: after a kill -9, the next start removes it (cleanup_stale).
-    with tempfile.TemporaryDirectory(prefix=f"{LAUNCHER_DIR}{os.getpid()}-") as tmp, Cluster(hosts, link) as cluster:
-        say(f"{hosts} host(s) {', '.join(f'{h}={a}' for h, a in zip(cluster.hostnames, cluster.addresses))}, "
-            f"link {cluster.link} per direction, {n // hosts} rank(s) per host (set up in {cluster.setup_s:.2f} s)")
-        before = cluster.interface_bytes()
-        argv = cluster.mpirun(n, list(command), tmp)
-        proc = subprocess.Popen(argv, env={**os.environ, **cluster.env()}, start_new_session=True)
-        try:
-            code = proc.wait()
-        except BaseException:  # Ctrl-C, SIGTERM (see main): stop the job, then clean up
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+    made = []
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"{LAUNCHER_DIR}{os.getpid()}-") as tmp, \
+                Cluster(hosts, link) as cluster:
+            made.append(cluster)
+            say(f"{hosts} host(s) {', '.join(f'{h}={a}' for h, a in zip(cluster.hostnames, cluster.addresses))}, "
+                f"link {cluster.link} per direction, {n // hosts} rank(s) per host (set up in {cluster.setup_s:.2f} "
+                "s)")
+            before = cluster.interface_bytes()
+            argv = cluster.mpirun(n, list(command), tmp)
+            proc = subprocess.Popen(argv, env={**os.environ, **cluster.env()}, start_new_session=True)
             try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        after = cluster.interface_bytes()
-        for b, a in zip(before, after):
-            say(f"{a['host']}: sent {(a['tx_bytes'] - b['tx_bytes']) / 1e6:.1f} MB, received "
-                f"{(a['rx_bytes'] - b['rx_bytes']) / 1e6:.1f} MB")
-    say(f"removed (teardown {cluster.teardown_s:.2f} s)")
+                code = proc.wait()
+            except BaseException as e:  # Ctrl-C, SIGTERM (see main): stop the job, then clean up
+                # (the job is in a session of its own: it hears of a Ctrl-C as a Ctrl-C, from here)
+                sig = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+                for sig, wait_s in ((sig, 5), (signal.SIGTERM, 5), (signal.SIGKILL, None)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, sig)
+                    try:
+                        proc.wait(timeout=wait_s)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+                raise
+            after = cluster.interface_bytes()
+            for b, a in zip(before, after):
+                say(f"{a['host']}: sent {(a['tx_bytes'] - b['tx_bytes']) / 1e6:.1f} MB, received "
+                    f"{(a['rx_bytes'] - b['rx_bytes']) / 1e6:.1f} MB")
+    finally:
+        if made and made[0].teardown_s is not None:  # (also when interrupted: namespaces, links, job gone)
+            say(f"removed (teardown {made[0].teardown_s:.2f} s)")
     return code
 
 
