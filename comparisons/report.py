@@ -443,6 +443,7 @@ def overlap_section(payload: dict) -> str:
     paper = ", ".join(f"{k} {v} %" for k, v in PAPER_OVERLAP.items())
     return (table(["implementation", "overlap on (ms)", "overlap off (ms)", "speedup", "overlap ratio",
                    "exposed comm (ms)"], out)
+            + _calibration_text(payload)
             + "\n\nTimes: median (25th–75th percentile) of the timed iterations; a speedup smaller than that "
               f"spread is noise. Speedup = t(off) / t(on) − 1. The DDP paper's §5.1 reports, on 32 GPUs: {paper}. "
               + ("On the emulated cluster communication waits on a shaped link, as on a real network; the ranks "
@@ -451,6 +452,22 @@ def overlap_section(payload: dict) -> str:
                  "Here the ranks share the cores and communicate through memory, so computation and "
                  "communication compete for the same cores: overlap can only hide the waiting, not the work of "
                  "reducing.") + "\n")
+
+
+def _calibration_text(payload: dict) -> str:
+    """--link matched: the rate's calibration, and how the wire time compares with this run's backward."""
+    cal, c = payload.get("calibration"), payload.get("cluster")
+    if not cal or not c or not c.get("rate_bps"):
+        return ""
+    wire_s = cal["wire_bytes_per_step"] * 8 / c["rate_bps"]
+    off = next((r for r in payload["rows"] if r["impl"] == "torch-c10d" and r["params"].get("overlap") is False), None)
+    here = off and (off.get("metrics") or {}).get("backward_compute_time")
+    return (f"\n\nLink rate matched by a calibration run (torch-c10d on an unshaped link): backward compute "
+            f"{cal['backward_compute_s'] * 1e3:.0f} ms, {cal['wire_bytes_per_step'] / 1e6:.1f} MB per host per step, "
+            f"so {cal['rate_mbit']} Mbit/s (wire time {wire_s * 1e3:.0f} ms)"
+            + (f"; in this run torch-c10d's backward took {here * 1e3:.0f} ms, so the wire time is "
+               f"{wire_s / here:.2f} x the backward here." if here else ".")
+            + " Where these differ much the machine was busier in one run than in the other.")
 
 
 def _ms_spread(row: dict) -> str:
@@ -476,17 +493,31 @@ def native_metrics_section(payload: dict) -> str:
               "of the iterations above and takes medians.\n")
 
 
-def generic_section(payload: dict, extra: str | None = None) -> str:
+def _workload_text(payload: dict) -> str:
+    """The model and per-rank batch a run measured, as its config says."""
+    c = payload.get("config") or {}
+    return f"model {c.get('model', '?')}, batch {c.get('batch', '?')} per rank"
+
+
+def _samples_text(payload: dict) -> str:
+    """How many timed steps each median is of, and what that means for reading small differences."""
+    n = max((len(r.get("times_s") or []) for r in payload["rows"]), default=0)
+    return (f"\nEach median is of {n} timed steps; differences within the interquartile ranges are noise "
+            "(rerun with more --rounds to resolve them).\n")
+
+
+def generic_section(payload: dict, extra: str | None = None, spread: bool = False) -> str:
+    """A row per variant: its median (`spread`: and interquartile range) time, `extra`, overlap ratio."""
     body = []
     for r in payload["rows"]:
-        row = [r["label"], f"{r['median_s'] * 1e3:.1f}"]
+        row = [r["label"], _ms_spread(r) if spread else f"{r['median_s'] * 1e3:.1f}"]
         if extra == "per_sample":
             row.append(f"{r['median_s'] / r['params']['samples_per_step'] * 1e6:.0f}")
         if extra == "loss":
             row.append(f"{r['loss']:.4f}")
         row.append(f"{r['metrics']['overlap_ratio']:.2f}" if "overlap_ratio" in r["metrics"] else "–")
         body.append(row)
-    headers = ["variant", "median ms / iteration"] + {"per_sample": ["µs / sample"], "loss": ["last loss"]}.get(
+    headers = ["variant", "median ms / iteration" + (" (IQR)" if spread else "")] + {"per_sample": ["µs / sample"], "loss": ["last loss"]}.get(
         extra, []) + ["overlap ratio"]
     return table(headers, body) + "\n"
 
@@ -657,7 +688,7 @@ def build(results: Path, out: Path) -> Path:
             continue
         sections.append(_section(f"Where the time goes: one iteration per implementation ({where(p)})", [p],
                                  lambda p=p: ("", plot_gantt(p, out))))
-        sections.append(_section(f"Overlap on vs off ({where(p)})", [p], lambda p=p: (
+        sections.append(_section(f"Overlap on vs off ({where(p)}; {_workload_text(p)})", [p], lambda p=p: (
             overlap_section(p) + (wire_section(p) if p.get("cluster") else "") + native_metrics_section(p), None)))
     if "bandwidth" in found:
         p = found["bandwidth"][-1]
@@ -673,7 +704,8 @@ def build(results: Path, out: Path) -> Path:
                 sections.append(what_if)
     if "bucket_sweep" in found:
         p = found["bucket_sweep"][-1]
-        sections.append(_section("Bucket size", [p], lambda: (generic_section(p), plot_buckets(p, out))))
+        sections.append(_section(f"Bucket size ({where(p)}; {_workload_text(p)})", [p], lambda: (
+            generic_section(p, spread=True) + _samples_text(p), plot_buckets(p, out))))
     if "scaling" in found:
         usable = [p for p in found["scaling"] if not unusable(p)]
         sections.append(_section("World size", found["scaling"], lambda: (
@@ -711,24 +743,11 @@ def build(results: Path, out: Path) -> Path:
 
 
 def to_html(head: str, sections) -> str:
-    def para(text: str) -> str:
-        parts = []
-        for block in text.strip().split("\n\n"):
-            lines = block.splitlines()
-            if lines and lines[0].startswith("|"):
-                cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines if not line.startswith("|-")]
-                rows = "".join("<tr>" + "".join(f"<{'th' if i == 0 else 'td'}>{html.escape(c)}</{'th' if i == 0 else 'td'}>"
-                                                 for c in row) + "</tr>" for i, row in enumerate(cells))
-                parts.append(f"<table>{rows}</table>")
-            elif block.startswith("# "):
-                parts.append(f"<h1>{html.escape(block[2:])}</h1>")
-            elif block.startswith("### "):
-                parts.append(f"<h3>{html.escape(block[4:])}</h3>")
-            elif block.startswith("    "):
-                parts.append(f"<pre>{html.escape(block)}</pre>")
-            else:
-                parts.append(f"<p>{html.escape(block)}</p>")
-        return "\n".join(parts)
+    """The report as one self-contained HTML page: its Markdown rendered by markdown-it (CommonMark and
+    tables), the plots inlined."""
+    from markdown_it import MarkdownIt  # noqa: PLC0415 -- (rich's Markdown parser: installed with rich)
+
+    para = MarkdownIt("commonmark", {"html": False}).enable("table").render
 
     body = [para(head)]
     for title, text, png in sections:

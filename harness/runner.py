@@ -16,6 +16,7 @@ on the wire.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -199,6 +200,9 @@ def _run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCo
     payload = {"experiment": name, "portddp_version": portddp.__version__, "command": command,
                "config": dataclasses.asdict(cfg), "cluster": where,
                "cluster_unavailable": os.environ.get("PORTDDP_CLUSTER_UNAVAILABLE"),
+               # (--link matched: the calibration run that chose the rate, harness/calibrate.py)
+               "calibration": json.loads(os.environ["PORTDDP_CALIBRATION"]) if where and os.environ.get(
+                   "PORTDDP_CALIBRATION") else None,
                "world": dataclasses.asdict(world), "environment": environment(), "rows": rows}
     payload["path"] = f"{cfg.out_dir}/{stem}.json"
     if world.rank == 0:

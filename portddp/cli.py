@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -109,7 +110,8 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
             return _mpirun(n, module, args, bind=bind)
         if link == "matched":
             try:
-                link, _ = importlib.import_module("harness.calibrate").matched_rate(n, hosts, args)
+                link, facts = importlib.import_module("harness.calibrate").matched_rate(n, hosts, args)
+                os.environ["PORTDDP_CALIBRATION"] = json.dumps(facts)  # (the run's JSON and report show it)
             except KeyboardInterrupt as e:  # (Ctrl-C, or SIGTERM/SIGHUP inside a calibration cluster: it was removed)
                 print("portddp: interrupted while measuring the matched link rate; nothing is left behind",
                       file=sys.stderr, flush=True)

@@ -348,6 +348,9 @@ def test_matched_link_calibrates_apart_from_the_users_out_dir(tmp_path):
     assert "calibration: backward compute" in proc.stdout
     results = sorted(p.name for p in tmp_path.glob("overlap-*.json") if not p.name.endswith(".trace.json"))
     assert len(results) == 1 and results[0].startswith("overlap-n2-h2-") and results[0].endswith("mbit.json"), results
+    # the calibration that chose the rate travels with the run (the report states it beside the backward)
+    cal = json.loads((tmp_path / results[0]).read_text())["calibration"]
+    assert results[0] == f"overlap-n2-h2-{cal['rate_mbit']}mbit.json" and cal["backward_compute_s"] > 0, cal
 
 
 @needs_cluster
