@@ -126,6 +126,10 @@ def _mpirun(n: int, module: str, args: list[str], hosts: int | None = None, link
         raise SystemExit("mpirun not found: install portddp's dependencies (the mpich wheel provides it)")
     bound = binding(n, bind, mpirun)
     os.environ["PORTDDP_MPIRUN_BIND"] = " ".join(bound)  # (recorded in the results: harness.runner)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if n > cpus:
+        print(f"portddp: note: {n} ranks on {cpus} CPU(s): ranks share cores, so their compute and communication "
+              "compete and times measure that contention (correctness is unaffected)", file=sys.stderr, flush=True)
     cmd = [mpirun, *bound, "-n", str(n), sys.executable, "-m", module, *args]
     print("$ " + " ".join(["mpirun", *cmd[1:]]).replace(sys.executable, "python"), flush=True)
     return _call(cmd)

@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+usage="usage: bash scripts/bootstrap.sh {demo|test [pytest args...]}"
+case "${1:-}" in demo|test) ;; *) echo "$usage" >&2; exit 2 ;; esac  # (before a minute of setup)
+
 python=${PYTHON:-python3}
 stamp=.venv/.portddp-setup
 want=$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
@@ -32,5 +35,5 @@ case "$task" in
         portddp run bucket_sweep -n 2 --rounds 2 --steps-per-round 3
         exec portddp report --results results --out reports/latest ;;
   test) exec python -m pytest "$@" ;;
-  *) echo "usage: bash scripts/bootstrap.sh {demo|test [pytest args...]}" >&2; exit 2 ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
