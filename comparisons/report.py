@@ -89,7 +89,8 @@ def plot_gantt(payload: dict, out: Path) -> Path | None:
     rows = [r for r in payload["rows"] if r.get("events") and r["params"].get("overlap") is not False]
     if not rows:
         return None
-    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.5 + 1.1 * len(rows)), squeeze=False)
+    # One time axis for every panel: their lengths compare at a glance.
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.5 + 1.1 * len(rows)), squeeze=False, sharex=True)
     for ax, row in zip(axes[:, 0], rows):
         ev = row["events"]
         t0 = ev["forward_start_ns"]
@@ -117,8 +118,16 @@ def plot_gantt(payload: dict, out: Path) -> Path | None:
         ax.set_title(f"{row['label']}: {row['median_s'] * 1e3:.1f} ms/iteration (median); "
                      f"overlap ratio {row['metrics'].get('overlap_ratio', 0):.2f}", fontsize=9, loc="left")
         ax.set_xlim(left=0)
+    end = max((r["events"]["finalize_end_ns"] or 0) - r["events"]["forward_start_ns"] for r in rows) / 1e6
+    axes[-1, 0].set_xlim(0, max(end, axes[-1, 0].get_xlim()[1]))
     axes[-1, 0].set_xlabel("ms since forward start (one steady-state iteration, rank 0; numbers: bucket index)")
-    fig.tight_layout()
+    from matplotlib.patches import Patch  # noqa: PLC0415
+
+    fig.legend(handles=[Patch(color="#9e9e9e", label="forward"), Patch(color="#1f77b4", label="backward"),
+                        Patch(color="#ff7f0e", label="bucket all-reduce (alternate colours: neighbouring buckets)"),
+                        Patch(color="#9467bd", label="one XLA program")],
+               loc="upper right", fontsize=7, ncol=4, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     return _save(plt, fig, out / f"gantt{_where_suffix(payload)}.png")
 
 
