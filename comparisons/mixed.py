@@ -94,9 +94,10 @@ def main(argv=None) -> int:
     ok = bitwise and all(r[2] <= bound for r in rows) and same_plan
     if world.rank == 0:
         for r, fw, dev, _ in rows:
-            print(f"rank {r} ({fw:>5}): worst deviation from the single-process reference {dev:.2e}")
+            print(f"rank {r} ({fw:>5}): worst deviation from the single-process reference {dev:.2e} "
+                  f"(bound {bound:g})")
         print(f"same bucket plan on every rank: {same_plan}; parameters across ranks: "
-              f"{'bitwise equal' if bitwise else f'max relative spread {spread:.2e}'} (bound {bound:g})")
+              f"{'bitwise equal' if bitwise else f'differ, max relative spread {spread:.2e} (they must be equal)'}")
         print("MIXED JOB OK" if ok else "MIXED JOB FAILED")
     return 0 if ok else 1
 

@@ -12,9 +12,9 @@
 run, compare, mixed and report start the entry points of the source checkout
 (experiments/, comparisons/ and the harness/ below them), which are not
 installed with the library: they need portddp installed from a clone
-(`pip install -e .`, as scripts/bootstrap.sh does). This module imports none of
-them until a subcommand needs one.
+(`pip install -e .`, as scripts/bootstrap.sh does).
 """
+# (This module imports none of those entry points until a subcommand needs one.)
 
 from __future__ import annotations
 

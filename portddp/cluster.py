@@ -83,7 +83,9 @@ def parse_rate(rate: str) -> float | None:
         return None
     m = re.fullmatch(r"(-?\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps|b)?(?:/s)?", text)
     if not m:
-        raise ValueError(f"link rate {rate!r} not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited")
+        raise ValueError(f"link rate {rate!r} not understood: use e.g. 1gbit, 500mbit, 2.5gbit, or unlimited"
+                         + ("; 'matched' (measured first) is for portddp run / compare / mixed --link matched"
+                            if str(rate).strip().lower() == "matched" else ""))
     if float(m.group(1)) <= 0:
         raise ValueError(f"link rate {rate!r} is not above zero: pass a rate, e.g. 1gbit or 500mbit; unlimited (or a "
                          f"bare 0) for no shaping")
