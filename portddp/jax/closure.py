@@ -73,6 +73,11 @@ class Captured:
     def learnt(self) -> bool:
         return self._held is not None
 
+    def reads_arrays(self) -> bool:
+        """Whether `fn` reads any JAX array from outside its arguments: only then are the trace's
+        constants worth finding (`learn` needs None otherwise)."""
+        return any(isinstance(v, jax.Array) for _, values in _snapshot(self._fn) for v in values)
+
     def learn(self, consts) -> None:
         """Right after a trace: hold what it read. `consts`: its constants, or None if unknown
         (then every array found is watched)."""

@@ -709,7 +709,8 @@ class DistributedDataParallel(DDPCommon):
                 raise
             if captured is not None and not captured.learnt and not isinstance(batch, Joined) and not taps.traced(
                     (params, state, batch)):  # the step just traced loss_fn: what did it read?
-                captured.learn(_constants_of(fn, static, params, state, batch))
+                # (the constants' look is one more trace of the forward: only where a JAX array is read)
+                captured.learn(_constants_of(fn, static, params, state, batch) if captured.reads_arrays() else None)
             return out
 
         return ended_on_error
