@@ -476,15 +476,13 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
                 code = proc.wait()
             except BaseException as e:  # Ctrl-C, SIGTERM (see main): stop the job, then clean up
                 # (the job is in a session of its own: it hears of a Ctrl-C as a Ctrl-C, from here)
-                sig = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
-                for sig, wait_s in ((sig, 5), (signal.SIGTERM, 5), (signal.SIGKILL, None)):
+                first = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+                for stop, wait_s in ((first, 5), (signal.SIGTERM, 5), (signal.SIGKILL, None)):
                     with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, sig)
-                    try:
+                        os.killpg(proc.pid, stop)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=wait_s)
                         break
-                    except subprocess.TimeoutExpired:
-                        continue
                 raise
             after = cluster.interface_bytes()
             for b, a in zip(before, after):
