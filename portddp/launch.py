@@ -81,6 +81,12 @@ def _launched_by_mpi() -> bool:
 _LAUNCHED_BY_MPI: tuple[int, bool] | None = None  # (pid, the answer) of the process that decided
 
 
+def started_by_an_mpi_rank() -> bool:
+    """A process with an mpirun rank's variables that is no rank itself: one the rank started
+    (torch.multiprocessing.spawn, a multiprocessing or subprocess child)."""
+    return _first_env(_MPI_RANK_VARS) is not None and not _launched_by_mpi()
+
+
 def _started_as_rank() -> bool:
     import multiprocessing  # noqa: PLC0415
 
@@ -431,8 +437,14 @@ def allgather_object(obj, *, name: str | None = None) -> list:
         import torch.distributed as dist  # noqa: PLC0415
 
         if not dist.is_initialized():
+            if started_by_an_mpi_rank():
+                raise RuntimeError(
+                    f"this process (pid {os.getpid()}) was started by an mpirun rank (spawn, multiprocessing, "
+                    f"subprocess) and inherited its RANK={w.rank} and WORLD_SIZE={w.size}, but it is no MPI rank and "
+                    "c10d is not initialised here: call torch.distributed.init_process_group(...) in it first (as a "
+                    "spawned worker of a torchrun script does), or do this in the rank mpirun started")
             raise RuntimeError(f"launched by {w.launcher} with {w.size} ranks but c10d is not initialised: "
-                               "call portddp.init() first")
+                               "call portddp.init() or torch.distributed.init_process_group() first")
         got = [None] * w.size
         with watchdog.waiting(label):
             dist.all_gather_object(got, (name, obj))

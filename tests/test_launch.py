@@ -206,13 +206,17 @@ def test_time_settings_in_the_environment_are_checked_naming_the_variable(monkey
 def test_processes_a_rank_starts_are_no_ranks():
     """DataLoader workers started with "spawn" / "forkserver" and a helper subprocess import
     portddp.torch again under mpirun's inherited variables: they must not run MPI_Init (which
-    aborted them), and the ranks train on alike."""
+    aborted them), and the ranks train on alike. Such a process asking for transport='mpi' is told
+    what it is (it was told torchrun had started the job)."""
     proc = mpi.run(2, "tests.workers.spawned_child", timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = re.findall(r"SPAWNED rank=(\d) digest=(\S+) helper_rc=(\d+) helper='(.*)'", proc.stdout)
     assert sorted(r[0] for r in rows) == ["0", "1"], proc.stdout + proc.stderr[-3000:]
     assert len({r[1] for r in rows}) == 1, rows  # the same parameters on both ranks
     assert all(r[2] == "0" and r[3] == "helper ok" for r in rows), rows
+    refusals = re.findall(r"MPI_CHILD rank=\d (.*)", proc.stdout)
+    assert len(refusals) == 2 and all(re.search(r"transport='mpi' needs MPI ranks, and this process \(pid \d+\) is "
+                                                r"not one: an mpirun rank started it", m) for m in refusals), refusals
 
 
 def test_the_stall_inspector_of_a_script_without_init_waits_as_long_as_its_group():

@@ -213,7 +213,8 @@ RESUME_IMPLS = ("torch-c10d", "torch-mpi", "jax-hooked", "jax-compiled", "jax-nn
 
 @pytest.fixture(scope="module")
 def two_jobs(tmp_path_factory):
-    """Two separate `mpirun -n 2` jobs (tests/workers/resume.py): rows of both, by (scenario, rank)."""
+    """Two separate `mpirun -n 2` jobs (tests/workers/resume.py): rows of both, by (scenario, rank). The
+    first saves after 5 of its 10 steps, the second trains 10 without saving and resumes from step 5."""
     out = tmp_path_factory.mktemp("resume")
     rows = {}
     for phase in ("first", "second"):
@@ -235,7 +236,7 @@ def test_five_steps_save_resume_five_equals_ten_bitwise(two_jobs, impl, dtype):
     for rank in (0, 1):
         resumed = two_jobs[f"resumed/{impl}/{dtype}", rank]
         assert resumed["start"] == 5
-        assert resumed["digest"] == two_jobs[f"first/full/{impl}/{dtype}", rank]["digest"]
+        assert resumed["digest"] == two_jobs[f"second/full/{impl}/{dtype}", rank]["digest"]  # (saved nothing)
 
 
 @pytest.mark.parametrize("kind,pattern", [

@@ -8,6 +8,7 @@ outside the backward pass (construction, buffer sync, plan rebuild).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -171,16 +172,29 @@ class MPIComm(_Comm):
         return allgather_named(self.transport.allgather_object, obj, self.rank)
 
 
+def check_transport(transport: str, process_group=None) -> None:
+    """What makes a transport impossible in this process, said before any rank talks to another."""
+    if transport != "mpi":
+        return
+    from portddp.launch import detect, started_by_an_mpi_rank  # noqa: PLC0415
+
+    if started_by_an_mpi_rank():
+        raise ValueError(
+            f"transport='mpi' needs MPI ranks, and this process (pid {os.getpid()}) is not one: an mpirun rank "
+            "started it (torch.multiprocessing.spawn, multiprocessing, subprocess), and MPI cannot be "
+            "joined from there. Let mpirun start one process per rank (`mpirun -n K python train.py` "
+            "without spawn), or use transport='c10d' here (unset PORTDDP_TRANSPORT)")
+    if detect().launcher == "torchrun":
+        raise ValueError("transport='mpi' needs MPI ranks, and this job was started by torchrun: launch with "
+                         "`mpirun -n K python ...`, or use transport='c10d'")
+    if process_group is not None:
+        raise ValueError("process_group applies to transport='c10d' only; transport='mpi' uses COMM_WORLD")
+
+
 def make_comm(transport: str, process_group=None) -> _Comm:
+    check_transport(transport, process_group)
     if transport == "c10d":
         return C10dComm(process_group)
     if transport == "mpi":
-        from portddp.launch import detect  # noqa: PLC0415
-
-        if detect().launcher == "torchrun":
-            raise ValueError("transport='mpi' needs MPI ranks, and this job was started by torchrun: launch with "
-                             "`mpirun -n K python ...`, or use transport='c10d'")
-        if process_group is not None:
-            raise ValueError("process_group applies to transport='c10d' only; transport='mpi' uses COMM_WORLD")
         return MPIComm()
     raise ValueError(f"unknown transport {transport!r}: choose one of {TRANSPORTS}")

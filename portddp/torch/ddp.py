@@ -69,7 +69,7 @@ from portddp.protocol import (BROADCAST_CHECK, SHADOW, agreed_strides, buffer_la
                               check_same_specs, check_same_step, hook_result_error, nonfinite_error,
                               unused_parameters_error)
 from portddp.timeline import BucketEvents, IterationEvents
-from portddp.torch.comm import TRANSPORTS, make_comm
+from portddp.torch.comm import TRANSPORTS, check_transport, make_comm
 from portddp.torch.native import NativeInterface, _done, backward_recorder, registrations
 
 __all__ = ["DistributedDataParallel", "GradBucket"]
@@ -229,6 +229,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # sees the same arguments, so every rank raises the same error.
         config = DDPConfig.resolve(bucket_cap_mb, first_bucket_cap_mb, transport=transport, transports=TRANSPORTS,
                                    overlap=overlap, check_finite=check_finite)
+        check_transport(transport, process_group)
         process_group = self._native_arguments(
             module, device_ids, output_device, process_group, device_mesh, mixed_precision, bucket_cap_mb_list,
             delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction, broadcast_buffers,

@@ -34,9 +34,23 @@ def main() -> None:
             opt.zero_grad()
     helper = subprocess.run([sys.executable, "-c", "import portddp.torch; print('helper ok')"],
                             capture_output=True, text=True, timeout=120)
+    # Such a process asking for the MPI transport (imagenet's --multiprocessing-distributed under
+    # mpirun with PORTDDP_TRANSPORT=mpi) is told it is a rank's child, not that torchrun started it.
+    mpi_child = subprocess.run([sys.executable, "-c", MPI_IN_A_CHILD], capture_output=True, text=True, timeout=120)
     digest = float(sum(p.detach().sum() for p in ddp.parameters()))
     print(f"SPAWNED rank={rank} digest={digest:.6f} helper_rc={helper.returncode} "
           f"helper={helper.stdout.strip() or helper.stderr.strip()[-200:]!r}", flush=True)
+    print(f"MPI_CHILD rank={rank} {mpi_child.stdout.strip() or mpi_child.stderr.strip()[-300:]}", flush=True)
+
+
+MPI_IN_A_CHILD = """
+import torch
+from portddp.torch import DistributedDataParallel
+try:
+    DistributedDataParallel(torch.nn.Linear(2, 2), transport="mpi")
+except ValueError as e:
+    print(e)
+"""
 
 
 if __name__ == "__main__":
