@@ -100,7 +100,8 @@ def test_plain_attributes_the_forward_changes_are_kept_as_nnx_value_and_grad_kee
                                                                                         strategy):
     """A plain Python call counter and a flag switched at the third step (static in NNX): after four steps
     both are where nnx.value_and_grad leaves them, and every step's gradient is the global batch's (they
-    were silently dropped: the counter stayed 0, the warm-up branch ran for ever)."""
+    were silently dropped: the counter stayed 0, the warm-up branch ran for ever). The model also holds a
+    dict of lists, which no hash takes: its GraphDef is jit's static argument all the same."""
     for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"plain_attributes/{strategy}")[1]:
         assert [row["calls"], row["mode"]] == row["reference"] == [4, "full"] and row["max_rel"] <= 1e-12, row
         assert row["rows"][0] == row["rows"][1], row  # the batch rows the last forward saw, step by step
@@ -128,6 +129,10 @@ BAD = [
                             r"traced into your jax\.jit .* or use strategy='hooked'"),
     ("rngs_captured_outside", r"loss_fn changed Flax NNX state that is not part of the model \(Flax: Cannot mutate "
                               r"RngCount .*\): .* Keep it in the model"),
+    ("rngs_in_batch", r"loss_fn changed Flax NNX state that is not part of the model \(Flax: Cannot mutate "
+                      r"RngCount .*\): .* passed in the batch, cannot be updated there .* Keep it in the model"),
+    ("rngs_in_batch_nnx_jit", r"loss_fn changed Flax NNX state that is not part of the model \(its RngCount was "
+                              r"updated\): .* the same dropout masks at every step\). Keep it in the model"),
     ("key_in_params", r"leaf \['seed'\]\.value is a JAX PRNG key, which is not a parameter"),
     ("module_to_pytree_grad_fn", r"grad_fn got a Flax Net module: use ddp\.nnx_value_and_grad\(loss_fn\)"),
     ("key_in_batch_compiled", r"batch leaf \[1\] is a JAX PRNG key: strategy='compiled' splits batch and state "

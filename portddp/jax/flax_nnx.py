@@ -47,6 +47,9 @@ first device's resulting state is kept.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import jax
 import jax.numpy as jnp
 
@@ -61,8 +64,6 @@ def _nnx():
 
 def is_module(x) -> bool:
     """Whether `x` is a Flax nnx.Module (False without importing Flax when it was never loaded)."""
-    import sys  # noqa: PLC0415
-
     return "flax.nnx" in sys.modules and isinstance(x, _nnx().Module)
 
 
@@ -199,13 +200,37 @@ def named_errors(step, *args):
     except Exception as e:
         if type(e).__name__ != "TraceContextError":
             raise
-        raise RuntimeError(
-            f"loss_fn changed Flax NNX state that is not part of the model (Flax: {str(e).split(' (')[0]}): "
-            "portddp traces loss_fn into its own compiled step, so an nnx.Rngs (or any nnx.Variable) captured "
-            "from outside, or passed in the batch, cannot be updated there. Keep it in the model -- e.g. "
-            "nnx.Dropout(rate, rngs=rngs) "
-            "holds its own stream -- and use ddp.nnx_value_and_grad(loss_fn)(model, batch), which carries the "
-            "model's RNG state and buffers through the step") from None
+        raise _state_outside_the_model(f"Flax: {str(e).split(' (')[0]}") from None
+
+
+def variables_in(batch) -> list:
+    """[(variable, its value)] for the Flax NNX Variables inside `batch` (an nnx.Rngs passed in, a
+    module), before loss_fn runs: `unchanged_by_loss` then tells whether it updated one."""
+    if "flax.nnx" not in sys.modules:
+        return []
+    nnx = _nnx()
+    found = jax.tree.leaves(batch, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [(v, v.get_raw_value()) for v in found if isinstance(v, nnx.Variable)]
+
+
+def unchanged_by_loss(held: list) -> None:
+    """Refuse an update loss_fn made to a Variable passed in the batch: the step runs loss_fn on a copy
+    of the batch, so the update would be lost -- an nnx.Rngs in the batch would give the same dropout
+    masks at every step. (Called eagerly, Flax itself refuses it: `named_errors`; inside nnx.jit it
+    would not.)"""
+    for variable, value in held:
+        if variable.get_raw_value() is not value:
+            raise _state_outside_the_model(f"its {type(variable).__name__} was updated")
+
+
+def _state_outside_the_model(detail: str) -> RuntimeError:
+    return RuntimeError(
+        f"loss_fn changed Flax NNX state that is not part of the model ({detail}): "
+        "portddp traces loss_fn into its own compiled step, so an nnx.Rngs (or any nnx.Variable) captured "
+        "from outside, or passed in the batch, cannot be updated there (the update would be lost: the same "
+        "dropout masks at every step). Keep it in the model -- e.g. nnx.Dropout(rate, rngs=rngs) holds its "
+        "own stream -- and use ddp.nnx_value_and_grad(loss_fn)(model, batch), which carries the "
+        "model's RNG state and buffers through the step")
 
 
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None))
@@ -224,6 +249,46 @@ def _plain_attributes(model) -> dict:
                             isinstance(v, _SIMPLE) for v in value)):
                     out[(tuple(path), name)] = value
     return out
+
+
+class _Static:
+    """A GraphDef that holds an unhashable plain attribute (`self.cfg = {"act": "relu"}`, a list):
+    hashable for jit's static argument and the traces' keys, equal by the GraphDef's own equality."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef):
+        self.graphdef, self._hash = graphdef, _loose_hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Static) and self.graphdef == other.graphdef
+
+
+def _static(graphdef):
+    try:
+        hash(graphdef)
+        return graphdef
+    except TypeError:
+        return _Static(graphdef)
+
+
+def _loose_hash(x) -> int:
+    """A hash that agrees with == for what a GraphDef holds, looking inside what cannot be hashed
+    (equal values hash alike; unequal ones may collide, which == then tells apart)."""
+    try:
+        return hash(x)
+    except TypeError:
+        pass
+    if dataclasses.is_dataclass(x):
+        return hash((type(x), *(_loose_hash(getattr(x, f.name)) for f in dataclasses.fields(x))))
+    if isinstance(x, (list, tuple)):
+        return hash((type(x), *map(_loose_hash, x)))
+    if isinstance(x, dict):
+        return hash(frozenset((k, _loose_hash(v)) for k, v in x.items()))
+    return hash(type(x))
 
 
 def _signature(tree) -> tuple:
@@ -256,7 +321,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
     def pure(graphdef, params, state, batch):
         # copy=True: fresh Variables owned by this trace (the step differentiates inside jit, and
         # Flax refuses to mutate a Variable created at another trace level).
-        model = nnx.merge(graphdef, params, *state, copy=True)
+        model = nnx.merge(graphdef.graphdef if isinstance(graphdef, _Static) else graphdef, params, *state, copy=True)
         before = _plain_attributes(model)
         loss, aux = checked(model, batch)
         after = _plain_attributes(model)
@@ -272,6 +337,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
             raise TypeError(f"nnx_value_and_grad's grad_fn takes (model, batch) with an nnx.Module; got "
                             f"{type(model).__name__}: for a parameter pytree use ddp.value_and_grad(loss_fn)")
         graphdef, params, buffers, other = split_for(ddp, model)
+        graphdef = _static(graphdef)
         inputs = (params, buffers, other, batch)
         if ddp._uneven is not None and not is_traced(params):  # its buffers are synchronised at the loop's end
             ddp._uneven.remember(model)

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from portddp.jax import flax_nnx
+
 __all__ = ["UNDER_JVP", "UNDER_MAP", "UNDER_VMAP", "after", "checked_loss", "host_call", "host_tap", "in_current_trace",
            "mapped_over_devices", "reporting", "start_token", "traced", "transformation"]
 
@@ -254,7 +256,9 @@ def checked_loss(loss_fn, has_aux: bool, via: str = "value_and_grad"):
     name = getattr(loss_fn, "__name__", repr(loss_fn))
 
     def checked(x, batch):
+        held = flax_nnx.variables_in(batch)
         out = loss_fn(x, batch)
+        flax_nnx.unchanged_by_loss(held)
         if has_aux:
             if not (isinstance(out, tuple | list) and len(out) == 2):
                 got = f"a {type(out).__name__} of {len(out)} values" if isinstance(out, tuple | list) else \

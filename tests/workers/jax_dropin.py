@@ -313,18 +313,20 @@ def python_number_state(strategy: str):
 
 
 class Warmed(nnx.Module):
-    """A plain Python counter and flag the forward changes (static in NNX: held in the GraphDef)."""
+    """A plain Python counter and flag the forward changes (static in NNX: held in the GraphDef), beside
+    a config held as a dict of lists, which no hash takes (it crashed portddp's jit: "unhashable type")."""
 
     def __init__(self):
         self.w = nnx.Param(jnp.arange(IN * OUT, dtype=F64).reshape(IN, OUT) / 10)
         self.calls = 0
         self.mode = "warm-up"
+        self.cfg = {"scales": [1, 2]}
 
     def __call__(self, x):
         self.calls += 1
         if self.calls > 2:
             self.mode = "full"
-            return 2 * (x @ self.w)
+            return self.cfg["scales"][1] * (x @ self.w)
         return x @ self.w
 
 
@@ -467,6 +469,14 @@ def bad(case: str) -> None:
         rngs = nnx.Rngs(dropout=WORLD.rank)
         ddp = DistributedDataParallel(params)
         ddp.value_and_grad(lambda p, b: mse(p, b) + 0 * jax.random.normal(rngs.dropout(), ()))(params, batch)
+    elif case in ("rngs_in_batch", "rngs_in_batch_nnx_jit"):  # (Flax's MNIST tutorial passes its Rngs so)
+        model, drop = net(WORLD.rank, 100), nnx.Dropout(0.5)
+        ddp = DistributedDataParallel(model)
+        grad_fn = ddp.nnx_value_and_grad(lambda m, b: jnp.mean(drop(m(b[0][0]), rngs=b[1])))
+        if case == "rngs_in_batch":
+            grad_fn(model, (batch, nnx.Rngs(dropout=WORLD.rank)))
+        else:  # (in jit, Flax itself does not refuse it: the stream stayed where it was, the same masks each step)
+            nnx.jit(lambda m, b, r: grad_fn(m, (b, r))[0])(model, batch, nnx.Rngs(dropout=WORLD.rank))
     elif case == "key_in_params":
         class Keyed(nnx.Module):
             def __init__(self):
@@ -507,6 +517,7 @@ def bad(case: str) -> None:
 
 
 BAD_CASES = ("tuple_loss_without_has_aux", "nnx_tuple_loss_without_has_aux", "has_aux_without_pair", "compiled_inside_jit", "rngs_captured_outside",
+             "rngs_in_batch", "rngs_in_batch_nnx_jit",
              "key_in_params", "module_to_pytree_grad_fn", "key_in_batch_compiled", "scalar_in_batch_compiled",
              "buffers_differ", "broadcast_buffers_differ", "no_param_in_module", "frozen_params_differ")
 
