@@ -237,7 +237,8 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
         k, by_name = desync
         parts = [f"'{n}' on {ranks(rs)}" for n, rs in sorted(by_name.items(), key=lambda kv: min(kv[1]))]
         head += (f"the ranks issued different collectives: collective #{k} is " + " but ".join(parts) +
-                 ". Every rank must issue the same collectives in the same order (the same calls, on every rank)")
+                 ". Every rank must issue the same collectives in the same order (the same calls, on every rank)"
+                 + _desync_hint(set(by_name)))
     elif behind:
         head += (f"{ranks(behind)} {'is' if len(behind) == 1 else 'are'} behind: " + "; ".join(
             f"rank {r}'s last collective is {coll(r)} and it has been computing for {live[r]['idle']:.1f} s since"
@@ -273,6 +274,23 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join([head, *table])
+
+
+def _desync_hint(names: set[str]) -> str:
+    """What usually makes ranks issue these different collectives, for the stall report."""
+    def has(what: str) -> bool:
+        return any(what in n for n in names)
+
+    if has(": model check") and len(names) > 1:
+        return ("; a rank alone in 'model check' re-planned its buckets because its parameters changed dtype, device "
+                "or shape after wrapping (.double(), .to(), p.data = ...) on that rank only: make the same change on "
+                "every rank, before the same forward")
+    if has(": buffer broadcast") and has(": bucket "):
+        return ("; a rank in 'buffer broadcast' began its next forward while the others are in a backward's bucket: "
+                "it ran a forward without its backward (an exception caught, a `continue` after the forward) where "
+                "they did not. Skip a step on every rank or on none (agree first, e.g. all-reduce a flag), or run "
+                "such forwards under no_sync() or torch.no_grad()")
+    return ""
 
 
 def subgroups_in_use() -> None:

@@ -422,3 +422,18 @@ def test_a_child_forked_from_a_rank_does_not_speak_for_it():
     assert "rank 1: raise child's exit status 1" in out and "rank 1: exit child's exit status 3" in out, out[-3000:]
     sums = re.findall(r"rank \d: trained 12 steps, parameters (-?\d+\.\d+(?:e[-+]?\d+)?)", out)  # (lines interleave)
     assert len(sums) == 2 and sums[0] == sums[1], out[-3000:]
+
+
+@pytest.mark.parametrize("names,hint", [
+    (("iteration 2: plan rebuild (rank 0's gradient order)", "iteration 2: model check"),
+     r"a rank alone in 'model check' re-planned its buckets because its parameters changed dtype, device or shape "
+     r"after wrapping \(\.double\(\), \.to\(\), p\.data = \.\.\.\) on that rank only"),
+    (("iteration 3: bucket 0", "iteration 3: buffer broadcast"),
+     r"it ran a forward without its backward \(an exception caught, a `continue` after the forward\) where they did "
+     r"not\. Skip a step on every rank or on none"),
+])
+def test_a_desync_of_a_known_shape_says_what_usually_causes_it(names, hint):
+    """(An audit: `.double()` on one rank, or a forward whose backward one rank skipped on a model with buffers,
+    hang native DDP; portddp's stall table named the two collectives but not what leads there.)"""
+    states = {r: _state(r, 8, 6.0, name=name) for r, name in enumerate(names)}
+    assert re.search(hint, watchdog.stall_report(states, 5.0).splitlines()[0])

@@ -96,6 +96,14 @@ def test_frozen_parameters_are_left_out_and_alone(results, transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_parameter_resized_through_data_after_wrapping_is_replanned(results, transport):
+    """`p.data = <another shape>` on every rank after two steps (native: an error at the next backward;
+    portddp packed the gradient over its neighbours', silently): the buckets follow, one process's numbers."""
+    for row in each_rank(results, f"resized/{transport}")[1]:
+        assert row["shape"] == [32] and row["max_rel"] <= 1e-12, row
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_non_contiguous_parameter_is_reduced_like_native_ddp(results, transport):
     n, rows = each_rank(results, f"noncontiguous/{transport}")
     for row in rows:

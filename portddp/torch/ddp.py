@@ -575,7 +575,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # under no_grad) are fine; in a backward it gets no gradient -- reduced as unused with
         # find_unused_parameters, else the unused-parameter error on every rank, as native's.
         for p, v in zip(self._params, self._views):
-            if p.dtype != v.dtype or p.device != v.device:
+            if p.dtype != v.dtype or p.device != v.device or p.shape != v.shape:
                 break
         else:
             if self._registrations == registrations() and not any(p.requires_grad for p in self._frozen):
@@ -590,8 +590,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # `weight_orig`, registered last.)
         if len(now) == len(self._params) and (all(a is b for a, b in zip(now, self._params))
                                               or {id(p) for p in now} == {id(p) for p in self._params}):
-            if any(p.dtype != v.dtype or p.device != v.device for p, v in zip(self._params, self._views)):
-                self._replan()  # a dtype/device change that bypassed Module._apply (e.g. p.data = ...)
+            if any(p.dtype != v.dtype or p.device != v.device or p.shape != v.shape
+                   for p, v in zip(self._params, self._views)):
+                # A dtype/device change that bypassed Module._apply, or a new shape (p.data = ...: an
+                # embedding grown for new tokens): its gradient no longer fits its place in the bucket.
+                self._replan()
                 self._check_parameters_unchanged()
             return
         named = dict(self.module.named_parameters())

@@ -127,6 +127,44 @@ def float64_vs_single_process(transport, rank, world):
     report(f"float64_global_batch/{transport}", max_rel=rel)
 
 
+class Scaled(nn.Module):
+    """A broadcast scale that becomes per-feature mid-training through `.data` (after wrapping)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.fc1, self.scale, self.head = nn.Linear(IN, 32), nn.Parameter(torch.ones(1)), nn.Linear(32, OUT)
+        self.double()
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc1(x)) * self.scale)
+
+
+def resized_parameter(transport, rank, world):
+    """A parameter given a new shape through `.data` on every rank after wrapping (its gradient no longer
+    fits its place in the bucket: it was packed over its neighbours', silently) trains as one process on
+    the global batch does."""
+    model, ref = Scaled(), Scaled()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB, transport=transport)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
+    for step in range(4):
+        if step == 2:
+            with torch.no_grad():
+                for m in (model, ref):
+                    m.scale.data = torch.full((32,), 1.5, dtype=torch.float64)
+        x, y = batch(step, rank, torch.float64)
+        gx, gy = global_batch(regression_batch, world, 7, step, batch=BATCH, in_dim=IN, out_dim=OUT, dtype="float64")
+        # (no output kept across steps: a graph alive at the resize keeps the old AccumulateGrad node, and
+        # PyTorch then sums the new gradient down to the old shape, DDP or not)
+        for opt, net, inputs, target in ((opts[0], ddp, x, y), (opts[1], ref, torch.from_numpy(gx), torch.from_numpy(gy))):
+            opt.zero_grad()
+            nn.functional.mse_loss(net(inputs), target).backward()
+            opt.step()
+    rel = max(((a - b).abs().max() / max(1.0, b.abs().max().item())).item()
+              for a, b in zip(model.parameters(), ref.parameters()))
+    report(f"resized/{transport}", max_rel=rel, shape=list(model.scale.shape))
+
+
 def hooks_vs_numpy(transport, rank, world):
     """One backward with each compression hook against cast -> divide -> sum -> cast back in numpy."""
     x, y = batch(0, rank, torch.float32)
@@ -256,6 +294,7 @@ def main():
         vs_native("grad_as_bucket_view", transport, w.rank, ddp_kw={"gradient_as_bucket_view": True},
                   train_kw={"micro": 2})
         float64_vs_single_process(transport, w.rank, w.size)
+        resized_parameter(transport, w.rank, w.size)
         hooks_vs_numpy(transport, w.rank, w.size)
         overlap_events(transport, w.rank)
         auto_cap(transport, w.rank)
