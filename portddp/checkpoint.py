@@ -454,6 +454,7 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
         if frontend == "torch":
             payload["module"] = ddp.module.state_dict()
             payload["optimizer"] = optimizer.state_dict() if optimizer is not None else None
+            payload["optimizer_class"] = _class_name(optimizer) if optimizer is not None else None
         else:
             payload["params"] = params
             payload["opt_state"] = opt_state
@@ -466,6 +467,10 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
     if error:
         raise CheckpointError(error)
     return written
+
+
+def _class_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def load(path, ddp, *, optimizer=None) -> Checkpoint:
@@ -513,6 +518,11 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
         if optimizer is not None:
             if payload["optimizer"] is None:
                 raise CheckpointError(f"{used} holds no optimizer state (it was saved without optimizer=)")
+            saved = payload.get("optimizer_class")  # (absent from checkpoints written before 2026-12-06)
+            if saved is not None and saved != _class_name(optimizer):
+                # (torch would take it and fail at the next step: an SGD state in an Adam -> KeyError 'betas')
+                raise CheckpointError(f"{used} holds the state of a {saved} optimizer, but load() got a "
+                                      f"{_class_name(optimizer)}: pass an optimizer of the class that was saved")
             optimizer.load_state_dict(payload["optimizer"])
         return Checkpoint(step=payload["step"], extra=payload["extra"], path=used, rng_restored=restored,
                           per_rank=mine)

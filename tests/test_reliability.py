@@ -239,6 +239,14 @@ def test_five_steps_save_resume_five_equals_ten_bitwise(two_jobs, impl, dtype):
         assert resumed["digest"] == two_jobs[f"second/full/{impl}/{dtype}", rank]["digest"]  # (saved nothing)
 
 
+def test_an_optimizer_of_another_class_is_refused_naming_both(two_jobs):
+    for rank in (0, 1):
+        message = two_jobs["other_optimizer", rank]["message"]
+        assert re.search(r"torch-c10d-float32\.ckpt holds the state of a torch\.optim\.adamw\.AdamW optimizer, but "
+                         r"load\(\) got a torch\.optim\.sgd\.SGD: pass an optimizer of the class that was saved",
+                         message or ""), message
+
+
 @pytest.mark.parametrize("kind,pattern", [
     ("truncated", r"is truncated: its header promises \d+ bytes of payload, the file holds \d+"),
     ("corrupt", r"is corrupt: the SHA-256 of its payload does not match its header"),

@@ -267,6 +267,19 @@ def save_then_load(impl: str) -> None:
     common.report(WORLD.rank, f"at_once/{impl}", step=ck.step, used=str(ck.path) == str(path))
 
 
+def other_optimizer(path: Path) -> None:
+    """The saved AdamW's state loaded into an SGD (torch takes it; an SGD's into an Adam failed at the next
+    step with KeyError 'betas')."""
+    case = make("torch-c10d", "float32")
+    case.opt = torch.optim.SGD(case.model.parameters(), lr=0.1)
+    try:
+        case.load(path)
+        message = None
+    except checkpoint.CheckpointError as e:
+        message = str(e)
+    common.report(WORLD.rank, "other_optimizer", message=message)
+
+
 def failed_save(path: Path) -> None:
     """Rank 0's disk is full (a file-size limit there): every rank raises, no temporary file is left."""
     import resource  # noqa: PLC0415
@@ -319,6 +332,7 @@ def main():
         for impl in ("torch-mpi", "jax-hooked"):
             rank0_only(impl)
             save_then_load(impl)
+        other_optimizer(OUT / "torch-c10d-float32.ckpt")
         failed_save(OUT / "torch-c10d-float32.ckpt")
 
 
