@@ -473,6 +473,20 @@ def _class_name(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _check_optimizer_class(used, payload, optimizer) -> None:
+    """An optimizer of another class whose hyperparameters the saved groups lack is refused: torch would
+    take the state and fail at the next step (an SGD's state in an Adam: KeyError 'betas'). Another
+    class with the same hyperparameters (a subclass, the same class imported under another module
+    name) loads."""
+    saved = payload.get("optimizer_class")  # (absent from checkpoints written before 2026-12-06)
+    groups = payload["optimizer"].get("param_groups") or [{}]
+    lacking = sorted(set(optimizer.defaults) - set(groups[0]))
+    if saved is not None and saved.rsplit(".", 1)[-1] != type(optimizer).__qualname__ and lacking:
+        raise CheckpointError(f"{used} holds the state of a {saved} optimizer, but load() got a "
+                              f"{_class_name(optimizer)}, whose hyperparameters {', '.join(lacking)} it lacks: pass "
+                              "an optimizer of the class that was saved")
+
+
 def load(path, ddp, *, optimizer=None) -> Checkpoint:
     """Load a checkpoint on every rank (a collective: if any rank cannot, every rank raises).
 
@@ -518,11 +532,7 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
         if optimizer is not None:
             if payload["optimizer"] is None:
                 raise CheckpointError(f"{used} holds no optimizer state (it was saved without optimizer=)")
-            saved = payload.get("optimizer_class")  # (absent from checkpoints written before 2026-12-06)
-            if saved is not None and saved != _class_name(optimizer):
-                # (torch would take it and fail at the next step: an SGD state in an Adam -> KeyError 'betas')
-                raise CheckpointError(f"{used} holds the state of a {saved} optimizer, but load() got a "
-                                      f"{_class_name(optimizer)}: pass an optimizer of the class that was saved")
+            _check_optimizer_class(used, payload, optimizer)
             optimizer.load_state_dict(payload["optimizer"])
         return Checkpoint(step=payload["step"], extra=payload["extra"], path=used, rng_restored=restored,
                           per_rank=mine)

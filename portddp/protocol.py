@@ -205,6 +205,10 @@ BROADCAST_CHECK = "broadcast of rank 0's model: model check"
 """The name of the model check before a broadcast of rank 0's parameters (portddp.torch's at
 construction, portddp.jax's ddp.broadcast(): one collective in a mixed job)."""
 
+REPLAN_CHECK = "model check after a re-plan (a parameter's dtype, device or shape changed)"
+"""(portddp.torch) The check at the forward after `.to()`/`.double()`/`p.data = ...` re-planned the buckets:
+met by a rank alone when only that rank made the change (the stall report says so: watchdog._desync_hint)."""
+
 
 SHADOW = 0  # the step slot of a rank that shadows the others in join(): not compared
 

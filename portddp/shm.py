@@ -438,7 +438,13 @@ _CHUNK_BYTES = 1 << 20  # summed a chunk at a time: the copies to the peers read
 def _reduce_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int) -> None:
     """Every array of `dests` = ((parts[0] + parts[1]) + parts[2]) + ..., a cache-sized chunk at a
     time. dests[0] is parts[me]'s memory: the sum is made there (read before it is written) and
-    copied from cache into the others."""
+    copied from cache into the others. Silently for Inf and NaN, as torch's and MPI's sums (a
+    GradScaler's overflowing step is expected, and it checks the result itself)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        _sum_into(dests, parts, me)
+
+
+def _sum_into(dests: list[np.ndarray], parts: list[np.ndarray], me: int) -> None:
     add = _half_add if is_half(parts[0].dtype) else np.add
     if len(parts) == 2 and me == 1:  # a sum of two is commutative (bitwise): start from my own part
         parts = parts[::-1]

@@ -281,10 +281,10 @@ def _desync_hint(names: set[str]) -> str:
     def has(what: str) -> bool:
         return any(what in n for n in names)
 
-    if has(": model check") and len(names) > 1:
-        return ("; a rank alone in 'model check' re-planned its buckets because its parameters changed dtype, device "
-                "or shape after wrapping (.double(), .to(), p.data = ...) on that rank only: make the same change on "
-                "every rank, before the same forward")
+    if has(": model check after a re-plan"):  # (portddp.protocol.REPLAN_CHECK)
+        return ("; a rank in 'model check after a re-plan' re-planned its buckets because its parameters changed "
+                "dtype, device or shape after wrapping (.double(), .to(), p.data = ...) where the others did not: "
+                "make the same change on every rank, before the same forward")
     if has(": buffer broadcast") and has(": bucket "):
         return ("; a rank in 'buffer broadcast' began its next forward while the others are in a backward's bucket: "
                 "it ran a forward without its backward (an exception caught, a `continue` after the forward) where "

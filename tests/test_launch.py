@@ -241,3 +241,24 @@ def test_the_stall_inspector_of_a_script_without_init_waits_as_long_as_its_group
     assert float(got["none"]) == 1800.0 and float(got["group"]) == 1234.0, got
     assert float(got["env"]) == 77.0, got  # PORTDDP_TIMEOUT_S, where set, decides
 
+
+
+def test_a_group_of_one_warns_unless_the_script_passed_it(monkeypatch):
+    """A DDP whose group has one rank in a job of three trains alone: said when the group is the default
+    one (the script never initialised the launcher's world), not for `process_group=dist.new_group([2])`
+    (an audit: the warning told a rank training on its own subgroup on purpose to call portddp.init())."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from portddp import launch  # noqa: PLC0415
+    from portddp.torch.native import NativeInterface  # noqa: PLC0415
+
+    monkeypatch.setattr(launch, "detect", lambda: World(2, 3, 2, 3, "mpirun"))
+    alone = SimpleNamespace(world_size=1, transport="c10d")
+    with pytest.warns(RuntimeWarning, match=r"this job has 3 ranks \(mpirun\), but DistributedDataParallel's c10d "
+                                            r"group has 1: every rank will train its own model"):
+        NativeInterface._warn_if_alone(alone)
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NativeInterface._warn_if_alone(alone, process_group=object())

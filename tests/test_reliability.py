@@ -243,8 +243,10 @@ def test_an_optimizer_of_another_class_is_refused_naming_both(two_jobs):
     for rank in (0, 1):
         message = two_jobs["other_optimizer", rank]["message"]
         assert re.search(r"torch-c10d-float32\.ckpt holds the state of a torch\.optim\.adamw\.AdamW optimizer, but "
-                         r"load\(\) got a torch\.optim\.sgd\.SGD: pass an optimizer of the class that was saved",
+                         r"load\(\) got a torch\.optim\.sgd\.SGD, whose hyperparameters dampening, momentum, nesterov "
+                         r"it lacks: pass an optimizer of the class that was saved",
                          message or ""), message
+        assert two_jobs["other_optimizer", rank]["subclass"] is None  # a subclass of the saved AdamW loads
 
 
 @pytest.mark.parametrize("kind,pattern", [
@@ -433,15 +435,20 @@ def test_a_child_forked_from_a_rank_does_not_speak_for_it():
 
 
 @pytest.mark.parametrize("names,hint", [
-    (("iteration 2: plan rebuild (rank 0's gradient order)", "iteration 2: model check"),
-     r"a rank alone in 'model check' re-planned its buckets because its parameters changed dtype, device or shape "
-     r"after wrapping \(\.double\(\), \.to\(\), p\.data = \.\.\.\) on that rank only"),
+    (("iteration 2: plan rebuild (rank 0's gradient order)",
+      "iteration 2: model check after a re-plan (a parameter's dtype, device or shape changed)"),
+     r"a rank in 'model check after a re-plan' re-planned its buckets because its parameters changed dtype, device "
+     r"or shape after wrapping \(\.double\(\), \.to\(\), p\.data = \.\.\.\) where the others did not"),
     (("iteration 3: bucket 0", "iteration 3: buffer broadcast"),
      r"it ran a forward without its backward \(an exception caught, a `continue` after the forward\) where they did "
      r"not\. Skip a step on every rank or on none"),
 ])
 def test_a_desync_of_a_known_shape_says_what_usually_causes_it(names, hint):
     """(An audit: `.double()` on one rank, or a forward whose backward one rank skipped on a model with buffers,
-    hang native DDP; portddp's stall table named the two collectives but not what leads there.)"""
+    hang native DDP; portddp's stall table named the two collectives but not what leads there.) A rank alone
+    in the broadcast's model check is not told about re-plans."""
     states = {r: _state(r, 8, 6.0, name=name) for r, name in enumerate(names)}
     assert re.search(hint, watchdog.stall_report(states, 5.0).splitlines()[0])
+    alone = {0: _state(0, 8, 6.0, name="iteration 1: broadcast of rank 0's model: model check"),
+             1: _state(1, 8, 6.0, name="iteration 1: bucket 0")}
+    assert "re-plan" not in watchdog.stall_report(alone, 5.0)

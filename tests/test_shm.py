@@ -128,3 +128,21 @@ def test_a_segment_file_still_being_opened_goes_with_a_rank_the_watchdog_ends(tm
         watchdog.unlink_mpi_shared_memory()
         assert not path.exists()
     assert str(path) not in watchdog._SHARED_FILES
+
+
+def test_the_sum_takes_inf_and_nan_silently_as_torch_and_mpi_do():
+    """A GradScaler's overflowing step sums Inf with -Inf (a NaN: GradScaler checks the result and skips
+    the step): numpy warned "invalid value encountered in add" on the MPI transport only (an audit)."""
+    import warnings  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    from portddp import shm  # noqa: PLC0415
+
+    for me in (0, 1):
+        parts = [np.array([np.inf, 1.0, 3e38], np.float32), np.array([-np.inf, np.nan, 3e38], np.float32)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            shm._reduce_into([parts[me]], parts, me)
+        got = parts[me]
+        assert np.isnan(got[0]) and np.isnan(got[1]) and np.isinf(got[2]), got

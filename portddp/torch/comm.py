@@ -173,7 +173,8 @@ class MPIComm(_Comm):
 
 
 def check_transport(transport: str, process_group=None) -> None:
-    """What makes a transport impossible in this process, said before any rank talks to another."""
+    """What makes a transport impossible in this process, said before any rank talks to another
+    (`process_group`: resolved from native's arguments -- None for the default group)."""
     if transport != "mpi":
         return
     from portddp.launch import detect, started_by_an_mpi_rank  # noqa: PLC0415
@@ -188,7 +189,9 @@ def check_transport(transport: str, process_group=None) -> None:
         raise ValueError("transport='mpi' needs MPI ranks, and this job was started by torchrun: launch with "
                          "`mpirun -n K python ...`, or use transport='c10d'")
     if process_group is not None:
-        raise ValueError("process_group applies to transport='c10d' only; transport='mpi' uses COMM_WORLD")
+        raise ValueError("process_group applies to transport='c10d' only; transport='mpi' uses COMM_WORLD"
+                         + ("" if os.environ.get("PORTDDP_TRANSPORT") != "mpi" else
+                            " (PORTDDP_TRANSPORT=mpi is set: unset it for a script that reduces over a subgroup)"))
 
 
 def make_comm(transport: str, process_group=None) -> _Comm:

@@ -64,7 +64,7 @@ from portddp.buckets import BucketPlan, ParamSpec, plan_as_registered, plan_buck
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
 from portddp.lazy import after_import
-from portddp.protocol import (BROADCAST_CHECK, SHADOW, agreed_strides, buffer_layout, buffer_sync_header,
+from portddp.protocol import (BROADCAST_CHECK, REPLAN_CHECK, SHADOW, agreed_strides, buffer_layout, buffer_sync_header,
                               check_buffer_sync_header, check_same_buffers, check_same_config, check_same_frozen,
                               check_same_specs, check_same_step, hook_result_error, nonfinite_error,
                               unused_parameters_error)
@@ -229,7 +229,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # sees the same arguments, so every rank raises the same error.
         config = DDPConfig.resolve(bucket_cap_mb, first_bucket_cap_mb, transport=transport, transports=TRANSPORTS,
                                    overlap=overlap, check_finite=check_finite)
-        check_transport(transport, process_group)
+        check_transport(transport)  # (process_group: once native's arguments have resolved it, in make_comm)
         process_group = self._native_arguments(
             module, device_ids, output_device, process_group, device_mesh, mixed_precision, bucket_cap_mb_list,
             delay_all_reduce_named_params, param_to_hook_all_reduce, check_reduction, broadcast_buffers,
@@ -294,7 +294,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self.rank = self._comm.rank
         self._set_divisor(self.world_size)
         self._divide_by_initial_world_size = True
-        self._warn_if_alone()
+        self._warn_if_alone(process_group)
         # Buffers are compared too wherever they travel (before forwards, or at construction): a
         # rank with one buffer more, or of another dtype, would pair its broadcasts wrongly -- Gloo
         # then reinterprets the bytes (silently), MPI fails raw.
@@ -442,6 +442,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 slot, strides = self._bucket_buffers[b][off:off + p.numel()], self._slot_strides[i]
                 self._views[i] = slot.view(p.shape) if strides is None else slot.as_strided(p.shape, strides)
                 if self.gradient_as_bucket_view and p.grad is not None:
+                    if p.grad.shape != p.shape:  # (p resized through .data: its old gradient means nothing now)
+                        p.grad = None
+                        continue
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
         self._bucket_sizes = [len(b.params) for b in plan.buckets]
@@ -568,7 +571,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         Walking the module costs per parameter; it is done only when some module in the process
         (re)registered a parameter, buffer or submodule since the last look."""
         if getattr(self, "_verify_pending", False):  # .to()/.double() since the last forward: same on every rank?
-            self._verify_same_model(list(self._plan.specs))
+            self._verify_same_model(list(self._plan.specs), what=REPLAN_CHECK)
             self._verify_pending = False
         # A parameter frozen after wrapping (requires_grad_(False)) stays in the plan, as native's
         # reducer keeps it: forwards without a backward (a DINO teacher frozen after wrapping, run

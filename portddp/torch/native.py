@@ -238,10 +238,11 @@ class NativeInterface:
             self.output_device = torch.device(out).index if not isinstance(out, int) else out
         return process_group
 
-    def _warn_if_alone(self) -> None:
-        """A job of N ranks whose DDP sees a world of 1 trains N independent models."""
+    def _warn_if_alone(self, process_group=None) -> None:
+        """A job of N ranks whose DDP sees a world of 1 trains N independent models (not said of a
+        group of one the script made on purpose: `process_group=dist.new_group([2])`)."""
         launched = launch.detect().size
-        if launched > 1 and self.world_size == 1:
+        if launched > 1 and self.world_size == 1 and process_group is None:
             warnings.warn(
                 f"this job has {launched} ranks ({launch.detect().launcher}), but DistributedDataParallel's "
                 f"{self.transport} group has 1: every rank will train its own model, nothing is averaged. "
@@ -382,6 +383,9 @@ class NativeInterface:
     def _replan(self) -> None:
         """The parameters changed dtype or device: the same plan (same order and caps) for the new ones."""
         specs = self._specs()
+        for i, (new, old) in enumerate(zip(specs, self._plan.specs)):
+            if new.shape != old.shape:  # (the memory order agreed at construction was for the old shape)
+                self._slot_strides[i] = None
         self.device = self._params[0].device
         self.device_type = self.device.type
         plan = self._initial_plan(specs)

@@ -270,14 +270,19 @@ def save_then_load(impl: str) -> None:
 def other_optimizer(path: Path) -> None:
     """The saved AdamW's state loaded into an SGD (torch takes it; an SGD's into an Adam failed at the next
     step with KeyError 'betas')."""
-    case = make("torch-c10d", "float32")
-    case.opt = torch.optim.SGD(case.model.parameters(), lr=0.1)
-    try:
-        case.load(path)
-        message = None
-    except checkpoint.CheckpointError as e:
-        message = str(e)
-    common.report(WORLD.rank, "other_optimizer", message=message)
+    class Tuned(torch.optim.AdamW):  # (a subclass, with the saved class's hyperparameters: loads)
+        pass
+
+    messages = []
+    for other in (torch.optim.SGD, Tuned):
+        case = make("torch-c10d", "float32")
+        case.opt = other(case.model.parameters(), lr=0.1)
+        try:
+            case.load(path)
+            messages.append(None)
+        except checkpoint.CheckpointError as e:
+            messages.append(str(e))
+    common.report(WORLD.rank, "other_optimizer", message=messages[0], subclass=messages[1])
 
 
 def failed_save(path: Path) -> None:
