@@ -163,6 +163,26 @@ def resized_parameter(transport, rank, world):
     rel = max(((a - b).abs().max() / max(1.0, b.abs().max().item())).item()
               for a, b in zip(model.parameters(), ref.parameters()))
     report(f"resized/{transport}", max_rel=rel, shape=list(model.scale.shape))
+    # A channels_last weight given more input channels: its bucket slot must follow the new shape (the
+    # memory order agreed for the old one laid the new gradient over itself, silently).
+    torch.manual_seed(1234)
+    conv = nn.Conv2d(4, 8, 3).double().to(memory_format=torch.channels_last)
+    ref = nn.Conv2d(4, 8, 3).double()
+    ref.load_state_dict(conv.state_dict())
+    ddp = DistributedDataParallel(conv, bucket_cap_mb=CAP_MB, transport=transport)
+    worst = 0.0
+    for step in range(3):
+        if step == 1:
+            new = torch.randn(8, 8, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+            conv.weight.data, ref.weight.data = new.contiguous(memory_format=torch.channels_last), new.clone()
+        g = torch.Generator().manual_seed(step)
+        xs = [torch.randn(2, conv.weight.shape[1], 6, 6, dtype=torch.float64, generator=g) for _ in range(world)]
+        for m in (conv, ref):
+            m.zero_grad()
+        ddp(xs[rank].contiguous(memory_format=torch.channels_last)).square().mean().backward()
+        (sum(ref(x).square().mean() for x in xs) / world).backward()
+        worst = max(worst, *((a.grad - b.grad).abs().max().item() for a, b in zip(conv.parameters(), ref.parameters())))
+    report(f"resized_channels_last/{transport}", max_diff=worst)
 
 
 def hooks_vs_numpy(transport, rank, world):
