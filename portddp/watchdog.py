@@ -281,7 +281,9 @@ def _desync_hint(names: set[str]) -> str:
     def has(what: str) -> bool:
         return any(what in n for n in names)
 
-    if has(": model check after a re-plan"):  # (portddp.protocol.REPLAN_CHECK)
+    from portddp.protocol import REPLAN_CHECK  # noqa: PLC0415
+
+    if has(f": {REPLAN_CHECK}"):
         return ("; a rank in 'model check after a re-plan' re-planned its buckets because its parameters changed "
                 "dtype, device or shape after wrapping (.double(), .to(), p.data = ...) where the others did not: "
                 "make the same change on every rank, before the same forward")

@@ -381,7 +381,8 @@ class NativeInterface:
         return self
 
     def _replan(self) -> None:
-        """The parameters changed dtype or device: the same plan (same order and caps) for the new ones."""
+        """The parameters changed dtype, device or shape: the same plan (same order and caps) for the new
+        ones; a resized parameter's slot in C order."""
         specs = self._specs()
         for i, (new, old) in enumerate(zip(specs, self._plan.specs)):
             if new.shape != old.shape:  # (the memory order agreed at construction was for the old shape)
