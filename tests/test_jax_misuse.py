@@ -85,6 +85,8 @@ CASES = {
                         r"array, but the bucket holds \d+ float32 gradients: return the whole reduced bucket",
     "hook_half_bucket": r"RuntimeError: comm hook .*half_bucket's handle for bucket 0 resolved to a \(\d+,\) float32 "
                         r"array, but the bucket holds \d+ float32 gradients",
+    "hook_compiled": r"ValueError: register_comm_hook needs strategy='hooked': the 'compiled' strategy's buckets are "
+                     r"psums inside one XLA program, which calls no Python hook",
 }
 
 
@@ -160,3 +162,7 @@ def test_hooked_grad_fn_under_shard_map_or_pmap_over_several_devices_is_refused_
             assert re.search(r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) cannot run under jax\.pmap or "
                              rf"jax\.shard_map over several of this process's devices \(mapped axes here: {axes}\).*"
                              r"Run one rank per device", got.get((name, rank), "(missing)")), (name, rank, got)
+    for rank in range(2):  # eagerly, on a batch laid over both devices: named, not XLA's RET_CHECK
+        assert re.search(r"ValueError: batch leaf \(the batch\) is split over 2 devices of this process: "
+                         r"strategy='hooked' runs one rank per device.*use strategy='compiled'",
+                         got.get(("split_batch", rank), "(missing)")), got

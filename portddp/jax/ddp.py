@@ -355,6 +355,11 @@ class DistributedDataParallel(DDPCommon):
         (portddp.torch also takes a hook registered later, as native DDP does; here the steps
         already traced -- into your own jit, or compiled -- have fixed whether a hook reduces and
         whether the buckets are lent, so a later hook is refused rather than half applied.)"""
+        if self.strategy != "hooked":
+            # (was: stored and never called -- plain psums, fp16 or PowerSGD silently not applied)
+            raise ValueError(f"register_comm_hook needs strategy='hooked': the {self.strategy!r} strategy's buckets "
+                             "are psums inside one XLA program, which calls no Python hook. Build the "
+                             "DistributedDataParallel with strategy='hooked' to reduce through a comm hook")
         if self._hook is not None:
             raise RuntimeError("a comm hook is already registered; register_comm_hook can be called only once")
         if self._iterations:
@@ -696,8 +701,10 @@ class DistributedDataParallel(DDPCommon):
                 loss, aux, new_state, grads = flax_nnx.named_errors(run, static, params, state, batch)
                 grads = jax.block_until_ready(grads)
                 return loss, aux, new_state, self._lend() if lends else grads
-            except Exception:
+            except Exception as e:
                 if not self._callback_errors:
+                    if "Side-effect HLO must have sharding" in str(e):
+                        raise _split_over_devices(params, batch) or e from None
                     raise
                 raise self._callback_errors[0] from None  # portddp's own message, not XLA's wrapper
 
@@ -1400,3 +1407,17 @@ class _Uneven:
 def _batch_spec(batch):
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return treedef, [(tuple(np.shape(x)), np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)) for x in leaves]
+
+
+def _split_over_devices(params, batch) -> ValueError | None:
+    """The hooked step's error for an array laid over several of this process's devices (XLA's own:
+    "Side-effect HLO must have sharding", of its host callbacks), naming the leaf; None if none is."""
+    for what, tree in (("parameter", params), ("batch leaf", batch)):
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+                return ValueError(
+                    f"{what} {jax.tree_util.keystr(path) or '(the batch)'} is split over {len(x.sharding.device_set)} "
+                    "devices of this process: strategy='hooked' runs one rank per device, its host callbacks on "
+                    "one. Put it on one device (jax.device_put(x, jax.local_devices()[0])), or use "
+                    "strategy='compiled', which takes arrays laid over the processes' devices")
+    return None

@@ -190,6 +190,13 @@ def grad_fn_under_shard_map():
         except ValueError as e:
             outcome = f"ValueError: {e}"
         report(name, outcome)
+    try:  # called eagerly on a batch laid over both devices (was: XLA's RET_CHECK on its host callbacks)
+        auto = jax.sharding.Mesh(np.array(jax.local_devices()[:2]), ("d",))  # (a mesh of the classic, automatic kind)
+        grad_fn(params, jax.device_put(batch(0, rows=4), jax.NamedSharding(auto, PartitionSpec("d"))))
+        outcome = "OK (not refused)"
+    except ValueError as e:
+        outcome = f"ValueError: {e}"
+    report("split_batch", outcome)
 
 
 def held_gradients_lent():
@@ -607,6 +614,12 @@ def with_hook(hook):
     ddp.value_and_grad(loss_fn)(params, batch(0))
 
 
+def hook_compiled():
+    """(An audit: the compiled strategy stored the hook and never called it -- fp16 compression or
+    PowerSGD silently not applied, a hook on one rank only never compared.)"""
+    DistributedDataParallel(init_params(), strategy="compiled").register_comm_hook(None, allreduce_hook)
+
+
 def reduce_after_a_failed_reduce():
     """A comm hook that raises once (on every rank) in ddp.reduce(): the next reduce() and the next
     step work (the failed reduce() used to keep the iteration marked open, refusing every later one)."""
@@ -697,6 +710,7 @@ CASES = {
     "hook_not_a_handle": lambda: with_hook(not_a_handle),
     "hook_one_element": lambda: with_hook(one_element),
     "hook_half_bucket": lambda: with_hook(half_bucket),
+    "hook_compiled": hook_compiled,
 }
 
 
