@@ -87,6 +87,17 @@ def started_by_an_mpi_rank() -> bool:
     return _first_env(_MPI_RANK_VARS) is not None and not _launched_by_mpi()
 
 
+def refuse_mpi_outside_ranks(what: str, instead: str) -> None:
+    """`what` (portddp.torch's transport='mpi', portddp.jax's hooked strategy) needs MPI ranks: in a
+    process an mpirun rank started, MPI_Init would abort it ("PMI_Init returned -1"). `instead`: the
+    other way, for the message."""
+    if started_by_an_mpi_rank():
+        raise ValueError(
+            f"{what} needs MPI ranks, and this process (pid {os.getpid()}) is not one: an mpirun rank started it "
+            "(torch.multiprocessing.spawn, multiprocessing, subprocess), and MPI cannot be joined from there. Let "
+            f"mpirun start one process per rank (`mpirun -n K python train.py` without spawn), or {instead}")
+
+
 def _started_as_rank() -> bool:
     import multiprocessing  # noqa: PLC0415
 

@@ -217,6 +217,9 @@ def test_processes_a_rank_starts_are_no_ranks():
     refusals = re.findall(r"MPI_CHILD rank=\d (.*)", proc.stdout)
     assert len(refusals) == 2 and all(re.search(r"transport='mpi' needs MPI ranks, and this process \(pid \d+\) is "
                                                 r"not one: an mpirun rank started it", m) for m in refusals), refusals
+    refusals = re.findall(r"JAX_CHILD rank=\d (.*)", proc.stdout)  # (portddp.jax's hooked strategy alike)
+    assert len(refusals) == 2 and all(re.search(r"strategy='hooked' \(its collectives go over MPI\) needs MPI ranks, "
+                                                r"and this process \(pid \d+\) is not one", m) for m in refusals), refusals
 
 
 def test_the_stall_inspector_of_a_script_without_init_waits_as_long_as_its_group():

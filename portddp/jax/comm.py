@@ -119,6 +119,16 @@ class LocalComm:
         return [obj]  # one process speaks for all its ranks
 
 
+def check_strategy(strategy: str) -> None:
+    """What makes a strategy impossible in this process, said before any rank talks to another
+    (portddp.torch's check_transport)."""
+    if strategy != "pmap":
+        from portddp.launch import refuse_mpi_outside_ranks  # noqa: PLC0415
+
+        refuse_mpi_outside_ranks(f"strategy={strategy!r} (its collectives go over MPI)",
+                                 "build the DistributedDataParallel in the rank itself")
+
+
 def make_comm(strategy: str, pmap_devices: int | None = None):
     if strategy == "pmap":
         from portddp.jax.compiled import pmap_world  # noqa: PLC0415

@@ -66,7 +66,7 @@ from portddp.buckets import BucketPlan, ParamSpec, plan_buckets, rebuild_plan
 from portddp.common import DDPCommon, GradBucketCommon, hook_name as _hook_name, next_ddp_number
 from portddp.config import DDPConfig
 from portddp.jax import closure, compiled, flax_nnx, taps
-from portddp.jax.comm import TRANSPORTS, make_comm
+from portddp.jax.comm import TRANSPORTS, check_strategy, make_comm
 from portddp.jax.layout import Canonical, Layout, copy_scaled
 from portddp.protocol import (BROADCAST_CHECK, buffer_layout, buffer_sync_header, check_buffer_sync_header,
                               check_same_config, check_same_frozen, check_same_step, check_same_specs,
@@ -184,6 +184,7 @@ class DistributedDataParallel(DDPCommon):
         if check_finite and strategy != "hooked":
             raise ValueError(f"check_finite=True needs strategy='hooked' (the gradients pass through the host "
                              f"there); with strategy={strategy!r} XLA never hands them over")
+        check_strategy(strategy)
         self.config = config
         self._tuner = config.tuner()
         self.strategy = strategy

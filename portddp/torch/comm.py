@@ -177,14 +177,9 @@ def check_transport(transport: str, process_group=None) -> None:
     (`process_group`: resolved from native's arguments -- None for the default group)."""
     if transport != "mpi":
         return
-    from portddp.launch import detect, started_by_an_mpi_rank  # noqa: PLC0415
+    from portddp.launch import detect, refuse_mpi_outside_ranks  # noqa: PLC0415
 
-    if started_by_an_mpi_rank():
-        raise ValueError(
-            f"transport='mpi' needs MPI ranks, and this process (pid {os.getpid()}) is not one: an mpirun rank "
-            "started it (torch.multiprocessing.spawn, multiprocessing, subprocess), and MPI cannot be "
-            "joined from there. Let mpirun start one process per rank (`mpirun -n K python train.py` "
-            "without spawn), or use transport='c10d' here (unset PORTDDP_TRANSPORT)")
+    refuse_mpi_outside_ranks("transport='mpi'", "use transport='c10d' here (unset PORTDDP_TRANSPORT)")
     if detect().launcher == "torchrun":
         raise ValueError("transport='mpi' needs MPI ranks, and this job was started by torchrun: launch with "
                          "`mpirun -n K python ...`, or use transport='c10d'")

@@ -37,10 +37,12 @@ def main() -> None:
     # Such a process asking for the MPI transport (imagenet's --multiprocessing-distributed under
     # mpirun with PORTDDP_TRANSPORT=mpi) is told it is a rank's child, not that torchrun started it.
     mpi_child = subprocess.run([sys.executable, "-c", MPI_IN_A_CHILD], capture_output=True, text=True, timeout=120)
+    jax_child = subprocess.run([sys.executable, "-c", JAX_IN_A_CHILD], capture_output=True, text=True, timeout=120)
     digest = float(sum(p.detach().sum() for p in ddp.parameters()))
     print(f"SPAWNED rank={rank} digest={digest:.6f} helper_rc={helper.returncode} "
           f"helper={helper.stdout.strip() or helper.stderr.strip()[-200:]!r}", flush=True)
     print(f"MPI_CHILD rank={rank} {mpi_child.stdout.strip() or mpi_child.stderr.strip()[-300:]}", flush=True)
+    print(f"JAX_CHILD rank={rank} {jax_child.stdout.strip() or jax_child.stderr.strip()[-300:]}", flush=True)
 
 
 MPI_IN_A_CHILD = """
@@ -48,6 +50,15 @@ import torch
 from portddp.torch import DistributedDataParallel
 try:
     DistributedDataParallel(torch.nn.Linear(2, 2), transport="mpi")
+except ValueError as e:
+    print(e)
+"""
+
+JAX_IN_A_CHILD = """
+import jax.numpy as jnp
+from portddp.jax import DistributedDataParallel
+try:
+    DistributedDataParallel({"w": jnp.ones(2)})
 except ValueError as e:
     print(e)
 """
