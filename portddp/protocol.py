@@ -101,29 +101,38 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
     for r, theirs in enumerate(everyone[1:], start=1):
         for k, (a, b) in enumerate(zip(ref, theirs)):
             if tuple(a) != tuple(b):
-                ours, others = [s[0] for s in ref], [s[0] for s in theirs]
-                ours_set, others_set = set(ours), set(others)
-                only_ref = [n for n in ours if n not in others_set]
-                only_theirs = [n for n in others if n not in ours_set]
-                if "trainable" in items and a[0] != b[0] and bool(only_ref) != bool(only_theirs):
-                    # One rank's trainable parameters are the other's minus some: frozen there.
-                    raise ValueError(
-                        f"{what}: rank 0 and rank {r} wrap different {items}: {_names(only_ref)} only on rank 0, "
-                        f"{_names(only_theirs)} only on rank {r}; a parameter set to requires_grad=False on some "
-                        "ranks only is left out of their plans. Every rank must build the same model and freeze "
-                        "the same parameters before wrapping it"
-                    )
+                if a[0] != b[0]:
+                    _refuse_frozen_on_some_ranks(what, items, ref, theirs, r)
                 raise ValueError(
                     f"{what}: {item} #{k} is {_show(a)} on rank 0 but {_show(b)} on rank {r}; every rank must "
                     "build the same model before wrapping it"
                 )
         if len(ref) != len(theirs):
+            _refuse_frozen_on_some_ranks(what, items, ref, theirs, r)  # (the last parameters, frozen)
             longer, r_long = (ref, 0) if len(ref) > len(theirs) else (theirs, r)
             raise ValueError(
                 f"{what}: rank 0 has {len(ref)} {items}, rank {r} has {len(theirs)}; the first one only rank "
                 f"{r_long} has is {_name(longer[min(len(ref), len(theirs))][0])}. Every rank must build the same "
                 "model before wrapping it"
             )
+
+
+def _refuse_frozen_on_some_ranks(what: str, items: str, ref, theirs, r: int) -> None:
+    """Raise when rank r's trainable parameters are rank 0's minus some (or the other way round): frozen
+    with requires_grad=False on some ranks only."""
+    if "trainable" not in items:
+        return
+    ours, others = [s[0] for s in ref], [s[0] for s in theirs]
+    ours_set, others_set = set(ours), set(others)
+    only_ref = [n for n in ours if n not in others_set]
+    only_theirs = [n for n in others if n not in ours_set]
+    if bool(only_ref) != bool(only_theirs):
+        raise ValueError(
+            f"{what}: rank 0 and rank {r} wrap different {items}: {_names(only_ref)} only on rank 0, "
+            f"{_names(only_theirs)} only on rank {r}; a parameter set to requires_grad=False on some "
+            "ranks only is left out of their plans. Every rank must build the same model and freeze "
+            "the same parameters before wrapping it"
+        )
 
 
 def _names(names: list, most: int = 5) -> str:

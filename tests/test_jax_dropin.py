@@ -47,7 +47,7 @@ def test_dropout_masks_are_applied_and_differ_per_rank(two_ranks):
 @pytest.mark.parametrize("strategy", ["hooked", "compiled"])
 def test_nnx_without_per_rank_state_matches_the_global_batch(two_ranks, strategy):
     _, rows = mpi.each_rank(two_ranks, f"nnx_global_batch/{strategy}")
-    assert all(row["max_rel"] <= 1e-10 for row in rows), rows
+    assert all(row["max_rel"] <= 1e-10 and row["remat_max_rel"] <= 1e-10 for row in rows), rows
 
 
 def _unused_rows(two_ranks, pmap_world, strategy):
@@ -141,6 +141,11 @@ BAD = [
                                  r"processes, but batch leaf \[1\] is a scalar \(float32\): give it a leading batch axis"),
     ("buffers_differ", r"model buffers differ across ranks: buffer #0 is \['bn'\]\['mean'\]\.value \(16,\) float32 on "
                        r"rank 0 but \['bn'\]\['mean'\]\.value \(17,\)"),
+    ("param_changed_in_forward", r"RuntimeError: loss_fn changed the value of trained state \['l1'\]\['kernel'\]"
+                                 r"\.value in the forward .* the replicas would drift apart: portddp refuses it .* "
+                                 r"Make the change outside loss_fn, the same on every rank"),
+    ("param_changed_in_forward_compiled", r"RuntimeError: loss_fn changed the value of trained state "
+                                          r"\['l1'\]\['kernel'\]\.value in the forward"),
     ("broadcast_buffers_differ", r"broadcast_buffers is True on rank 0 but False on rank 1"),
     ("no_param_in_module", r"ValueError: Plain holds no nnx\.Param \(its floating-point arrays: \['w'\]\), so "
                            r"DistributedDataParallel has no gradient to reduce\..* or pass DistributedDataParallel"

@@ -12,7 +12,8 @@ What the split does for the user: `grad_fn` splits the model into its GraphDef
 (static), its nnx.Param state (differentiated, bucketed and reduced like any
 pytree), its buffers and its other state, runs `loss_fn` on the model merged
 back inside portddp's step, and writes the state the forward changed back into
-`model`. The model's state falls in three parts:
+`model` (a change to the Params themselves is refused: each rank would make its
+own, and the replicas drift apart). The model's state falls in three parts:
 
 * Params -- every nnx.Param (and subclass), or what DistributedDataParallel's
   `wrt=` filter selects (nnx.LoRAParam; a path filter taking plain array
@@ -233,6 +234,34 @@ def _state_outside_the_model(detail: str) -> RuntimeError:
         "model's RNG state and buffers through the step")
 
 
+def _moved(before, after):
+    """Per leaf of the trained state `before` (loss_fn's input), whether loss_fn gave it a new value
+    (`after`, read back from the model): None when the trace kept every one (the usual case: the
+    step's program then holds no comparison). A leaf some transformation passed through (nnx.remat)
+    is a new array of the same value: compared in the program, where NaN equals NaN."""
+    after = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(after)[0]}
+    leaves = jax.tree_util.tree_flatten_with_path(before)[0]
+    new = [after.get(jax.tree_util.keystr(path), x) for path, x in leaves]
+    if all(y is x for (_, x), y in zip(leaves, new)):
+        return None
+    return jnp.stack([jnp.bool_(False) if y is x else ~jnp.array_equal(x, y, equal_nan=True)
+                      for (_, x), y in zip(leaves, new)])
+
+
+def _trained_state_changed(params, moved) -> RuntimeError:
+    names = [jax.tree_util.keystr(path) for (path, _), m in
+             zip(jax.tree_util.tree_flatten_with_path(params)[0], moved.tolist()) if m]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return RuntimeError(
+        f"loss_fn changed the value of trained state {shown} in the forward (the state DistributedDataParallel's "
+        "wrt= selects: differentiated, its gradient averaged over the ranks). nnx.value_and_grad would write the "
+        "change back into the model; under data parallelism each rank makes it from its own batch (an in-place "
+        "max-norm renormalisation of the rows it looks up, a running statistic selected by wrt=), so the replicas "
+        "would drift apart: portddp refuses it rather than drop it or let them drift. Make the change outside "
+        "loss_fn, the same on every rank (e.g. renormalise after optimizer.update(model, grads)), or leave that "
+        "state out of wrt= (a BatchStat is a buffer by default)")
+
+
 _SIMPLE = (bool, int, float, complex, str, bytes, type(None))
 
 
@@ -327,8 +356,8 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         after = _plain_attributes(model)
         traced.append(tuple((k, v) for k, v in after.items() if k not in before or before[k] is not v
                             and before[k] != v))
-        _, _, buffers, other = split(model, paths(state[1]), ddp._nnx_wrt)
-        return loss, (aux, (buffers, other))
+        _, trained, buffers, other = split(model, paths(state[1]), ddp._nnx_wrt)
+        return loss, ((aux, _moved(params, trained)), (buffers, other))
 
     step = ddp._grad_step(pure, loss_fn)
 
@@ -343,6 +372,10 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
             ddp._uneven.remember(model)
         traced.clear()
         loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
+        if aux is not None:  # (None: this rank has joined)
+            aux, moved = aux
+            if moved is not None and moved.any():
+                raise _trained_state_changed(params, moved)
         nnx.update(model, buffers, other)
         # (only traces that changed something are kept: a model that changes none pays nothing per step)
         if batch is not ddp.JOINED and (traced and traced[-1] or plain_changes):

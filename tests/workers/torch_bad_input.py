@@ -109,10 +109,10 @@ def run(case: str, transport: str) -> None:
         DistributedDataParallel(model.double() if last else model, transport=transport)
     elif case == "cap_differs":
         DistributedDataParallel(nn.Linear(4, 4), bucket_cap_mb=5.0 if last else 25.0, transport=transport)
-    elif case == "frozen_on_one_rank":  # rank 1 freezes a middle layer before wrapping
+    elif case in ("frozen_on_one_rank", "last_frozen_on_one_rank"):  # rank 1 freezes a middle (the last) layer
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
         if last:
-            model[1].requires_grad_(False)
+            model[1 if case == "frozen_on_one_rank" else 2].requires_grad_(False)
         DistributedDataParallel(model, transport=transport)
     elif case == "buffers_flag_differs":  # the buffer broadcast before every forward, on one rank only
         DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), broadcast_buffers=not last,
