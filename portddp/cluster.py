@@ -49,6 +49,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from portddp import env
 from portddp.watchdog import pid_alive
 
 __all__ = ["Cluster", "parse_rate", "check_job", "interface_bytes", "run", "cleanup_stale", "PREFIX"]
@@ -67,7 +68,7 @@ CALIBRATE_DIR = "portddp-calibrate-"
 """The matched rate's calibration run writes into <tempdir>/portddp-calibrate-<pid>-XXXXXXXX (harness.calibrate)."""
 MIN_RATE = 1e6
 """bits/s: the slowest link a cluster is made with."""
-BURST_MS = float(os.environ.get("PORTDDP_CLUSTER_BURST_MS", 4.0))
+BURST_MS = env.number("PORTDDP_CLUSTER_BURST_MS", 4.0, unit="milliseconds")
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -268,7 +269,8 @@ class Cluster:
     hosts: int
     link: str = "1gbit"
     job: int = dataclasses.field(default_factory=os.getpid)
-    mtu: int = int(os.environ.get("PORTDDP_CLUSTER_MTU", 1500))
+    mtu: int = dataclasses.field(default_factory=lambda: env.number("PORTDDP_CLUSTER_MTU", 1500, unit="bytes",
+                                                                    least=576, integer=True))
 
     def __post_init__(self):
         if self.hosts < 1 or self.hosts > MAX_HOSTS:

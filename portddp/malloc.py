@@ -11,7 +11,8 @@ copy), not on the code that freed it.
 from __future__ import annotations
 
 import ctypes
-import os
+
+from portddp import env
 
 __all__ = ["keep_freed_memory"]
 
@@ -38,7 +39,7 @@ def keep_freed_memory() -> None:
     wrapper's (portddp.jax hooked's fresh buffers are its own callbacks').
     """
     global _TUNED
-    if _TUNED or os.environ.get("PORTDDP_MALLOC", "keep") == "system":
+    if _TUNED or env.choice("PORTDDP_MALLOC", "keep", ("keep", "system")) == "system":
         return
     _TUNED = True
     try:

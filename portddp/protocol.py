@@ -57,8 +57,9 @@ ranks that disagree about the transport would otherwise never meet.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
+
+from portddp import env
 
 __all__ = ["SHADOW", "buffer_layout", "buffer_sync_header", "check_buffer_sync_header", "check_same_config",
            "check_same_frozen", "check_same_hook",
@@ -266,7 +267,7 @@ def check_same_step(slots: Sequence[int], rank: int) -> None:
             "Every rank must run its DDPs' backward passes in the same order (a GAN: the discriminator's loss, then "
             "the generator's, on every rank) and build them in the same order")
     steps = {n & _STEP_MASK for _, n in counted}
-    if len(steps) <= 1 or os.environ.get("PORTDDP_CHECK_STEPS", "1") == "0":
+    if len(steps) <= 1 or not env.flag("PORTDDP_CHECK_STEPS", True):
         return
     where = ", ".join(f"rank {r} at step {(n & _STEP_MASK) - 1}" for r, n in counted)
     never = [r for r, n in counted if n & _STEP_MASK == 1]

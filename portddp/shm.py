@@ -56,6 +56,8 @@ import weakref
 
 import numpy as np
 
+from portddp import env
+
 __all__ = ["ShmAllreduce", "is_half", "node_comm", "scatter_into"]
 
 _ALIGN = 64  # bytes: slices and allocations start on a cache line
@@ -91,7 +93,7 @@ class _Timespec(ctypes.Structure):
 
 
 _futex = None
-if _SYS_FUTEX is not None and os.environ.get("PORTDDP_SHM_FUTEX", "1") != "0":
+if _SYS_FUTEX is not None and env.flag("PORTDDP_SHM_FUTEX", True):
     try:
         _libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL while it sleeps
         _futex = _libc.syscall
@@ -144,9 +146,8 @@ class ShmAllreduce:
         self._wait_request = wait or (lambda req: req.Wait())
         self._half_op = half_op
         mb = 1 << 20
-        self.scratch_bytes = _round(int(scratch_bytes or float(os.environ.get("PORTDDP_SHM_SCRATCH_MB", 16)) * mb))
-        self.arena_bytes = _round(int(arena_bytes if arena_bytes is not None
-                                      else float(os.environ.get("PORTDDP_SHM_ARENA_MB", 4096)) * mb))
+        self.scratch_bytes = _round(int(scratch_bytes or scratch_mb() * mb))
+        self.arena_bytes = _round(int((arena_mb() if arena_bytes is None else arena_bytes / mb) * mb))
         # every rank must chunk alike (across hosts too), and map its host peers' segments whole
         scratch = comm.allgather(self.scratch_bytes)
         arenas = self.node.allgather(self.arena_bytes)
@@ -398,7 +399,9 @@ def _share(node, fd: int, path: str, seg: int, backed: int) -> list[np.ndarray]:
     errors = [x for x in node.allgather(error) if x]
     paths = node.allgather(path)
     if errors:
-        raise OSError(f"no shared memory for the all-reduce: {errors[0]}")
+        raise OSError(f"no shared memory for the all-reduce: {errors[0]} (its size: PORTDDP_SHM_SCRATCH_MB, "
+                      f"{scratch_mb():g} MB, and the arena's address space, PORTDDP_SHM_ARENA_MB, {arena_mb():g} MB: "
+                      "make room in /dev/shm, or lower the scratch; PORTDDP_MPI_ALLREDUCE=mpi uses MPI's own)")
     segs = []
     for j, p in enumerate(paths):
         if j == node.rank:
@@ -412,6 +415,17 @@ def _share(node, fd: int, path: str, seg: int, backed: int) -> list[np.ndarray]:
 
 
 _fence_lock = threading.Lock()
+
+
+def scratch_mb() -> float:
+    """PORTDDP_SHM_SCRATCH_MB (16): each rank's scratch area, through which a buffer outside the
+    arena is summed a scratch-full at a time (across hosts: every bucket)."""
+    return env.number("PORTDDP_SHM_SCRATCH_MB", 16, unit="MB", least=1 / 16)
+
+
+def arena_mb() -> float:
+    """PORTDDP_SHM_ARENA_MB (4096): the address space of each rank's arena, where its buckets live."""
+    return env.number("PORTDDP_SHM_ARENA_MB", 4096, unit="MB", zero_means="no arena: every buffer through the scratch")
 
 
 def _fence() -> None:

@@ -18,7 +18,6 @@ reduced in place, so callers pass views of their flat bucket buffers.
 from __future__ import annotations
 
 import atexit
-import os
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from portddp import env
 from portddp.launch import allgather_pickled, test_then_sleep
 from portddp.shm import is_half, scatter_into
 
@@ -64,15 +64,12 @@ _SHM_ONLY = ("PORTDDP_SHM_SCRATCH_MB", "PORTDDP_SHM_ARENA_MB")
 
 
 def _settings() -> dict:
-    """This rank's values of _AGREED (the MB ones as numbers, so that 16 and 16.0 agree)."""
-    out = {}
-    for name, default in _AGREED.items():
-        raw = os.environ.get(name, default)
-        try:
-            out[name] = float(raw) if name.endswith("_MB") else raw
-        except ValueError:
-            out[name] = raw
-    return out
+    """This rank's values of _AGREED, each checked (the MB ones as numbers, so that 16 and 16.0 agree)."""
+    from portddp.shm import arena_mb, scratch_mb  # noqa: PLC0415
+
+    return {"PORTDDP_MPI_ALLREDUCE": env.choice("PORTDDP_MPI_ALLREDUCE", "shm", ("shm", "mpi")),
+            "PORTDDP_MPI_WAIT": env.choice("PORTDDP_MPI_WAIT", "", ("spin", "sleep")),
+            "PORTDDP_SHM_SCRATCH_MB": scratch_mb(), "PORTDDP_SHM_ARENA_MB": arena_mb()}
 
 
 def _check_settings(every: list[dict], rank: int, names, ranks=None) -> None:
@@ -201,12 +198,10 @@ class MPITransport:
         self.node = node_comm(self.comm)
         self.local_rank, self.local_size = self.node.rank, self.node.size
         self.multi_host = self.local_size < self.size
-        self._max_pause = float(os.environ.get("PORTDDP_MPI_POLL_US", 1000)) * 1e-6
+        self._max_pause = env.number("PORTDDP_MPI_POLL_US", 1000, unit="microseconds") * 1e-6
         # The all-reduce (PORTDDP_MPI_ALLREDUCE=shm|mpi): within a host on a shared-memory window
         # (portddp.shm; hierarchical across hosts), or MPI's own.
-        self.allreduce_impl = os.environ.get("PORTDDP_MPI_ALLREDUCE", "shm")
-        if self.allreduce_impl not in ("shm", "mpi"):
-            raise ValueError(f"PORTDDP_MPI_ALLREDUCE={self.allreduce_impl!r}: choose shm or mpi")
+        self.allreduce_impl = env.choice("PORTDDP_MPI_ALLREDUCE", "shm", ("shm", "mpi"))
         self._shm = None
         self._warned_full = False
         facts = self.comm.allgather((self.local_size, _settings()))
@@ -227,7 +222,7 @@ class MPITransport:
         # keeps the blocking call. Across hosts the nonblocking ring (MPIR_CVAR_IALLREDUCE_INTRA_
         # ALGORITHM, set by portddp.launch) is also the faster one. README, Performance.
         default_wait = "spin" if self._shm is None and not self.multi_host else "sleep"
-        self._spin = os.environ.get("PORTDDP_MPI_WAIT", default_wait) == "spin"
+        self._spin = env.choice("PORTDDP_MPI_WAIT", default_wait, ("spin", "sleep")) == "spin"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="portddp-mpi-comm", daemon=True)
         self._thread.start()

@@ -82,6 +82,8 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 
+from portddp import env
+
 __all__ = ["EXIT_CODE", "Watchdog", "collective", "current", "listen", "pid_alive", "start", "stall_report",
            "step_started", "step_finished", "subgroups_in_use", "waiting"]
 
@@ -421,7 +423,7 @@ class Watchdog:
         self._departed: dict[int, tuple[int, int | None, str]] = {}
         self._departed_at: dict[int, float] = {}
         self._subgroups = False  # DDPs over process subgroups: departures are judged by the stall inspector
-        self._grace_s = float(os.environ.get("PORTDDP_EARLY_EXIT_GRACE_S", 5.0))
+        self._grace_s = env_seconds("PORTDDP_EARLY_EXIT_GRACE_S", 5.0, zero_means="a rank that left is named at once")
         # The stall inspector: the inspection under way (answers by rank, deadline), the wait already
         # reported (its start time), and when to inspect alone if the inspecting rank stays silent.
         self._inspection: dict | None = None
@@ -849,18 +851,7 @@ def _is_c10d_timeout(value) -> bool:
 def env_seconds(name: str, default: float, *, zero_means: str | None = None) -> float:
     """Environment variable `name` as seconds (`default` when unset): a number > 0, or >= 0 where
     `zero_means` says what 0 does; anything else is refused naming the variable and the fix."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if value > 0 or (value == 0 and zero_means is not None):
-        return value
-    allowed = "a number of seconds > 0" + (f", or 0 ({zero_means})" if zero_means else "")
-    raise ValueError(f"{name}={raw!r}: set it to {allowed}, e.g. {name}={default:g}, or unset it "
-                     f"(default {default:g})")
+    return env.number(name, default, unit="seconds", zero_means=zero_means)
 
 
 def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: float | None = None,
@@ -914,7 +905,7 @@ def reclaim() -> None:
 
 
 def enabled() -> bool:
-    return os.environ.get("PORTDDP_WATCHDOG", "1") not in ("0", "false", "no", "off")
+    return env.flag("PORTDDP_WATCHDOG", True)
 
 
 def _recv_exactly(s: socket.socket, n: int) -> bytes:

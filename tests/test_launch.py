@@ -265,3 +265,46 @@ def test_a_group_of_one_warns_unless_the_script_passed_it(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         NativeInterface._warn_if_alone(alone, process_group=object())
+
+
+@pytest.mark.parametrize("name,value,reader,pattern", [
+    ("PORTDDP_SHM_SCRATCH_MB", "0", "shm.scratch_mb", r"a number of MB >= 0\.0625"),
+    ("PORTDDP_SHM_SCRATCH_MB", "abc", "shm.scratch_mb", r"a number of MB >= 0\.0625"),
+    ("PORTDDP_SHM_ARENA_MB", "-1", "shm.arena_mb", r"a number of MB > 0, or 0 \(no arena"),
+    ("PORTDDP_MPI_ALLREDUCE", "nccl", "transport._settings", r"one of shm, mpi"),
+    ("PORTDDP_MPI_WAIT", "spinn", "transport._settings", r"one of spin, sleep"),
+    ("PORTDDP_EARLY_EXIT_GRACE_S", "nan", None, r"a number of seconds > 0, or 0 \(a rank that left is named at once\)"),
+    ("PORTDDP_CLUSTER_MTU", "1500.5", "cluster.Cluster", r"a whole number of bytes >= 576"),
+    ("PORTDDP_CHECK_STEPS", "maybe", "env.flag", r"1 \(or true, yes, on\) or 0 \(or false, no, off\)"),
+])
+def test_other_settings_in_the_environment_are_checked_naming_the_variable(monkeypatch, name, value, reader, pattern):
+    """Every PORTDDP_* variable is read through portddp.env: a bad value names the variable, what it takes and
+    its default (were: float()'s "could not convert string to float", numpy's "range() arg 3 must not be zero"
+    for a scratch of 0, a misspelt choice or "false" silently taken for the default)."""
+    import importlib  # noqa: PLC0415
+
+    from portddp import env  # noqa: PLC0415
+
+    monkeypatch.setenv(name, value)
+    calls = {"shm.scratch_mb": lambda f: f(), "shm.arena_mb": lambda f: f(), "transport._settings": lambda f: f(),
+             "cluster.Cluster": lambda f: f(hosts=2), "env.flag": lambda f: f(name, True)}
+    if reader is None:
+        call = lambda: env.number(name, 5.0, unit="seconds", zero_means="a rank that left is named at once")  # noqa: E731
+    else:
+        module, attr = reader.split(".")
+        call = lambda: calls[reader](getattr(importlib.import_module(f"portddp.{module}"), attr))  # noqa: E731
+    with pytest.raises(ValueError, match=rf"^{name}='{re.escape(value)}': set it to .*{pattern}.*, or unset it"):
+        call()
+    monkeypatch.setenv(name, "  ")
+    if reader is not None:
+        call()  # empty: the default
+
+
+def test_switches_in_the_environment_take_the_usual_spellings(monkeypatch):
+    from portddp import env  # noqa: PLC0415
+
+    for value, want in [("0", False), ("false", False), ("OFF", False), ("no", False), ("1", True), ("yes", True)]:
+        monkeypatch.setenv("PORTDDP_CHECK_STEPS", value)
+        assert env.flag("PORTDDP_CHECK_STEPS", True) is want
+    monkeypatch.setenv("PORTDDP_MPI_WAIT", "SLEEP")
+    assert env.choice("PORTDDP_MPI_WAIT", "", ("spin", "sleep")) == "sleep"

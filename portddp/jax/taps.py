@@ -16,13 +16,13 @@ launched waits on their sum).
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from portddp import env
 from portddp.jax import flax_nnx
 
 __all__ = ["UNDER_JVP", "UNDER_MAP", "UNDER_VMAP", "after", "checked_loss", "host_call", "host_tap", "in_current_trace",
@@ -131,7 +131,7 @@ class _Allocating:
 
 
 def _find_buffer_callback():
-    if os.environ.get("PORTDDP_HOST_CALL", "buffer") == "io_callback":
+    if env.choice("PORTDDP_HOST_CALL", "buffer", ("buffer", "io_callback")) == "io_callback":
         return None
     try:
         from jax.experimental.buffer_callback import buffer_callback  # noqa: PLC0415 (jax >= 0.7)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
