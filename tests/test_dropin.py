@@ -54,6 +54,18 @@ def test_trains_exactly_like_native_ddp(results, scenario):
         assert row.get("grad_strides_as_native", True), row  # channels_last: .grad laid out as native's
 
 
+def test_a_hook_that_grows_its_buffer(results):
+    n, rows, transport = results
+    _, got = mpi.each_rank((n, rows), f"padding_hook/{transport}")
+    for row in got:
+        if transport == "c10d":
+            assert row["bitwise"], row
+        else:  # (the shared-memory window cannot grow: refused, naming the fix)
+            assert re.match(r"comm hook _padding_hook resized bucket \d+'s buffer\(\) \(resize_\(\), as torch's "
+                            r"batched_powerSGD_hook pads it\): with transport='mpi' on one host the bucket lies in the "
+                            r"shared-memory window, which cannot grow\. Pad a copy", row["message"]), row
+
+
 def test_native_attributes_and_module_interface(results):
     n, rows, transport = results
     _, sig = mpi.each_rank((n, rows), f"native_signature/{transport}")

@@ -854,8 +854,19 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._issue(f"bucket {b}")
         if self._hook is None:
             return self._comm.allreduce_timed(buffer, event) if event is not None else self._comm.allreduce(buffer)
-        # A new GradBucket each time, as native hands out: hooks may set_buffer() on it.
-        fut = self._hook(self._hook_state, self._grad_bucket(b, buffer))
+        # A new GradBucket each time, as native hands out: hooks may set_buffer() on it. Its buffer() is
+        # a tensor of its own over the bucket's memory: a hook that pads it with resize_() (as
+        # batched_powerSGD_hook does) grows that tensor, not the bucket the gradients are packed into.
+        try:
+            fut = self._hook(self._hook_state, self._grad_bucket(b, buffer.view(-1)))
+        except RuntimeError as e:
+            if "not resizable" not in str(e):
+                raise
+            raise RuntimeError(
+                f"comm hook {_hook_name(self._hook)} resized bucket {b}'s buffer() (resize_(), as torch's "
+                "batched_powerSGD_hook pads it): with transport='mpi' on one host the bucket lies in the "
+                "shared-memory window, which cannot grow. Pad a copy in the hook (torch.nn.functional.pad("
+                "bucket.buffer(), ...)), or use transport='c10d' (or PORTDDP_MPI_ALLREDUCE=mpi)") from e
         if not isinstance(fut, torch._C.Future):  # (c10d's get_future() is the C++ base class)
             raise TypeError(
                 f"comm hook {_hook_name(self._hook)} returned {type(fut).__name__} for bucket {b}; a hook must "
@@ -868,7 +879,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _check_hook_result(self, b: int, result) -> torch.Tensor:
         """Native's contract: the future's value is one tensor shaped like the bucket."""
         tensor = _tensor_of(result)
-        expected = self._bucket_buffers[b]
+        expected = self._bucket_buffers[b][:self._plan.buckets[b].numel]  # (its own size, whatever a hook did)
         if (expected.is_complex() and isinstance(tensor, torch.Tensor) and tensor.numel() == 2 * expected.numel()
                 and tensor.dtype == _REAL_OF.get(expected.dtype)):
             # c10d's all_reduce of a complex tensor resolves to its real view (n, 2); native takes it.

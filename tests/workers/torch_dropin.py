@@ -214,6 +214,33 @@ def powersgd(transport):
         compare(name, transport, native, ours, sgd_steps(5))
 
 
+def _padding_hook(_state, bucket):
+    """Pads bucket.buffer() with resize_() before its all-reduce, as batched_powerSGD_hook does."""
+    t = bucket.buffer()
+    n = t.numel()
+    t.resize_(n + 7)
+    t[n:] = 0
+    return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0][:n].div_(dist.get_world_size()))
+
+
+def padding_hook(transport):
+    """A hook that grows its bucket.buffer(): as native on c10d, bitwise (portddp took the grown size for the
+    bucket's: "resolved to a (5722,) tensor, but the bucket holds 5729"); on MPI's shared-memory window, which
+    cannot grow, refused naming the fix (was torch's bare "Trying to resize storage that is not resizable")."""
+    native, ours = pair(transport, ddp_kw={"bucket_cap_mb": 0.002})
+    native.register_comm_hook(None, _padding_hook)
+    ours.register_comm_hook(None, _padding_hook)
+    if transport == "c10d":
+        compare("padding_hook", transport, native, ours, sgd_steps(4))
+        return
+    try:
+        sgd_steps(1)(ours)
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    report(f"padding_hook/{transport}", message=message)
+
+
 def late_hook(transport):
     """A comm hook registered after two steps (compression switched on after a warm-up), as native
     allows: it reduces from the next iteration on -- also when registered between a forward and its
@@ -830,7 +857,7 @@ SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, un
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
-             static_graph_dataclass_output, checkpoint_state_dict]
+             static_graph_dataclass_output, checkpoint_state_dict, padding_hook]
 
 
 def main():
