@@ -192,7 +192,10 @@ def test_main_predicts_from_a_valid_result(result, capsys):
     assert main([result, "--world", "64", "--link", "10gbit", "--bucket-cap", "0.25", "--first-bucket-cap", "0.1",
                  "--compression", "0.5", "--no-sync-every", "2", "--compute-scale", "0.5", "--no-overlap",
                  "--hop-latency-us", "10"]) == 0
-    assert "prediction at 64 ranks, link 10 Gbit/s" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "prediction at 64 ranks, link 10 Gbit/s" in out and "ring step" not in err
+    assert main([result, "--world", "64"]) == 0  # no latency per ring step: said, not silently taken as 0
+    assert "measured at 2 ranks only, which cannot tell the latency of one ring step" in capsys.readouterr().err
     assert main([result, "--world", "1", "--link", "unlimited"]) == 0
     assert "prediction at 1 rank, link unlimited" in capsys.readouterr().out
     assert main([result, "--link", "0"]) == 0  # as for `portddp cluster --link 0`: no limit
