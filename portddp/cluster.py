@@ -305,8 +305,11 @@ class Cluster:
         self._made = True
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "link", "set", self.bridge, "up")
+        # (each address also as IPv4-mapped IPv6, which is how c10d's dual-stack store sees its clients:
+        # without it their names went to DNS, unreachable here -- "hostname of the client socket cannot be
+        # retrieved. err=-3" at every connection)
         hosts_file = "127.0.0.1 localhost\n" + "".join(
-            f"{a} {n}\n" for a, n in zip(self.addresses, self.hostnames))
+            f"{a} {n}\n::ffff:{a} {n}\n" for a, n in zip(self.addresses, self.hostnames))
         for ns, uplink, addr, hostname in zip(self.names, self.uplinks, self.addresses, self.hostnames):
             _run("ip", "netns", "add", ns)
             (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
