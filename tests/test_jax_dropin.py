@@ -144,6 +144,8 @@ BAD = [
     ("param_changed_in_forward", r"RuntimeError: loss_fn changed the value of trained state \['l1'\]\['kernel'\]"
                                  r"\.value in the forward .* the replicas would drift apart: portddp refuses it .* "
                                  r"Make the change outside loss_fn, the same on every rank"),
+    ("param_changed_in_forward_in_jit", r"CpuCallback error .* RuntimeError: loss_fn changed the value of trained state "
+                                        r"\['l1'\]\['kernel'\]\.value in the forward"),
     ("param_changed_in_forward_compiled", r"RuntimeError: loss_fn changed the value of trained state "
                                           r"\['l1'\]\['kernel'\]\.value in the forward"),
     ("broadcast_buffers_differ", r"broadcast_buffers is True on rank 0 but False on rank 1"),

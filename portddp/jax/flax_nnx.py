@@ -248,9 +248,22 @@ def _moved(before, after):
                       for (_, x), y in zip(leaves, new)])
 
 
-def _trained_state_changed(params, moved) -> RuntimeError:
-    names = [jax.tree_util.keystr(path) for (path, _), m in
-             zip(jax.tree_util.tree_flatten_with_path(params)[0], moved.tolist()) if m]
+def _leaf_names(tree) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _refuse_moved(names: list[str], moved) -> None:
+    """Raise if `moved` (_moved's flags) says loss_fn changed a trained leaf; inside the user's jit
+    (hooked grad_fn), when the program runs."""
+    from portddp.jax.taps import traced  # noqa: PLC0415
+
+    if traced(moved):
+        jax.debug.callback(lambda flags: _refuse_moved(names, flags), moved)
+    elif moved.any():
+        raise _trained_state_changed([n for n, m in zip(names, moved.tolist()) if m])
+
+
+def _trained_state_changed(names: list[str]) -> RuntimeError:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return RuntimeError(
         f"loss_fn changed the value of trained state {shown} in the forward (the state DistributedDataParallel's "
@@ -374,8 +387,8 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
         if aux is not None:  # (None: this rank has joined)
             aux, moved = aux
-            if moved is not None and moved.any():
-                raise _trained_state_changed(params, moved)
+            if moved is not None:
+                _refuse_moved(_leaf_names(params), moved)
         nnx.update(model, buffers, other)
         # (only traces that changed something are kept: a model that changes none pays nothing per step)
         if batch is not ddp.JOINED and (traced and traced[-1] or plain_changes):

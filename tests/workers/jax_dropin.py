@@ -197,6 +197,8 @@ def nnx_no_dropout_vs_global_batch(strategy: str):
     # taken for a change of the trained state (a false refusal, below), nor a cost when the model has none
     remat_fn = ddp.nnx_value_and_grad(lambda m, b: jnp.mean((nnx.remat(lambda m, x: m(x))(m, b[0]) - b[1]) ** 2))
     _, remat_grads = remat_fn(model, batch_of(WORLD.rank, 0))
+    if strategy == "hooked":  # (and inside the script's own jit, where the comparison runs in its program)
+        _, remat_grads = nnx.jit(remat_fn)(model, batch_of(WORLD.rank, 0))
     ref = net(0, params_seed=100)
     ref.eval()
     xs, ys = zip(*(batch_of(r, 0) for r in range(WORLD.size)))
@@ -514,7 +516,7 @@ def bad(case: str) -> None:
         model.lora = Adapted(seed=0).lora
         ddp = DistributedDataParallel(model, wrt=nnx.LoRAParam)
         ddp.nnx_value_and_grad(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))(model, batch)
-    elif case in ("param_changed_in_forward", "param_changed_in_forward_compiled"):
+    elif case in ("param_changed_in_forward", "param_changed_in_forward_compiled", "param_changed_in_forward_in_jit"):
         # As torch's Embedding(max_norm=) ported to NNX renormalises the rows its batch uses, in the Param itself:
         # each rank changes it from its own batch (nnx.value_and_grad writes it back; portddp dropped it, silently).
         # Here every rank changes it (a rank whose forward did not is stopped as for any other rank's failure).
@@ -525,7 +527,11 @@ def bad(case: str) -> None:
             return loss_fn(m, b)
 
         ddp = DistributedDataParallel(model, strategy="compiled" if case.endswith("compiled") else "hooked")
-        ddp.nnx_value_and_grad(renorms)(model, batch)
+        grad_fn = ddp.nnx_value_and_grad(renorms)
+        if case.endswith("in_jit"):  # (raised when the program runs: XLA's error around it)
+            jax.block_until_ready(nnx.jit(grad_fn)(model, batch))
+        else:
+            grad_fn(model, batch)
     elif case == "broadcast_buffers_differ":
         model = net(WORLD.rank, 100)
         DistributedDataParallel(model, broadcast_buffers=not last).broadcast(model)
@@ -537,7 +543,7 @@ BAD_CASES = ("tuple_loss_without_has_aux", "nnx_tuple_loss_without_has_aux", "ha
              "rngs_in_batch", "rngs_in_batch_nnx_jit",
              "key_in_params", "module_to_pytree_grad_fn", "key_in_batch_compiled", "scalar_in_batch_compiled",
              "buffers_differ", "broadcast_buffers_differ", "no_param_in_module", "frozen_params_differ",
-             "param_changed_in_forward", "param_changed_in_forward_compiled")
+             "param_changed_in_forward", "param_changed_in_forward_compiled", "param_changed_in_forward_in_jit")
 
 
 def all_bad_cases() -> None:
@@ -551,7 +557,8 @@ def all_bad_cases() -> None:
             bad(case)
             line = f"[{case}] PORTDDP_NO_ERROR rank={WORLD.rank}\n"
         except Exception as e:  # the message is what is under test
-            line = f"[{case}] PORTDDP_ERROR rank={WORLD.rank} {type(e).__name__}: {e}\n"
+            flat = str(e).replace("\n", " ")  # (one line: XLA's error holds the callback's traceback)
+            line = f"[{case}] PORTDDP_ERROR rank={WORLD.rank} {type(e).__name__}: {flat}\n"
         os.write(1, line.encode())  # one write() per line: mpirun never splits it
         get_transport().barrier()
 
