@@ -25,18 +25,19 @@ def _raw(name: str) -> str | None:
 
 
 def number(name: str, default: float, *, unit: str, least: float | None = None, zero_means: str | None = None,
-           integer: bool = False) -> float:
-    """`name` as a number of `unit`: > 0 (>= `least` if given), or 0 where `zero_means` says what 0
-    does; whole with `integer`. `default` when unset."""
+           integer: bool = False, infinite: bool = False) -> float:
+    """`name` as a number of `unit` (a float; an int with `integer`): > 0 (>= `least` if given), or
+    0 where `zero_means` says what 0 does; finite unless `infinite`. `default` when unset."""
     raw = _raw(name)
     if raw is None:
-        return default
+        return int(default) if integer else float(default)
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     big_enough = value >= least if least is not None else value > 0
-    if (big_enough or (value == 0 and zero_means is not None)) and (not integer or value == int(value)):
+    if ((big_enough or (value == 0 and zero_means is not None)) and (infinite or math.isfinite(value))
+            and (not integer or value == int(value))):
         return int(value) if integer else value
     allowed = (f"a{' whole' if integer else ''} number of {unit} " + (f">= {least:g}" if least is not None else "> 0")
                + (f", or 0 ({zero_means})" if zero_means else ""))

@@ -93,23 +93,27 @@ def check_same_config(everyone: Sequence[dict]) -> None:
                 )
 
 
-def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, items: str) -> None:
+def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, items: str,
+                     frozen: Sequence[Sequence[tuple] | None] | None = None) -> None:
     """Raise on every rank if any rank's (name, shape, dtype) list differs from rank 0's.
 
     `everyone` is the allgathered list (identical on every rank, so every rank
-    raises the same error); `what` starts the message, `item`/`items` name entries."""
+    raises the same error); `what` starts the message, `item`/`items` name entries;
+    `frozen`: each rank's frozen parameters' specs, where known (then a parameter
+    trainable on some ranks only is named frozen only if it is frozen on the others)."""
     ref = everyone[0]
     for r, theirs in enumerate(everyone[1:], start=1):
+        known = None if frozen is None or frozen[0] is None or frozen[r] is None else (frozen[0], frozen[r])
         for k, (a, b) in enumerate(zip(ref, theirs)):
             if tuple(a) != tuple(b):
                 if a[0] != b[0]:
-                    _refuse_frozen_on_some_ranks(what, items, ref, theirs, r)
+                    _refuse_frozen_on_some_ranks(what, items, ref, theirs, r, known, guess=True)
                 raise ValueError(
                     f"{what}: {item} #{k} is {_show(a)} on rank 0 but {_show(b)} on rank {r}; every rank must "
                     "build the same model before wrapping it"
                 )
         if len(ref) != len(theirs):
-            _refuse_frozen_on_some_ranks(what, items, ref, theirs, r)  # (the last parameters, frozen)
+            _refuse_frozen_on_some_ranks(what, items, ref, theirs, r, known, guess=False)  # (the last ones, frozen)
             longer, r_long = (ref, 0) if len(ref) > len(theirs) else (theirs, r)
             raise ValueError(
                 f"{what}: rank 0 has {len(ref)} {items}, rank {r} has {len(theirs)}; the first one only rank "
@@ -118,22 +122,31 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
             )
 
 
-def _refuse_frozen_on_some_ranks(what: str, items: str, ref, theirs, r: int) -> None:
-    """Raise when rank r's trainable parameters are rank 0's minus some (or the other way round): frozen
-    with requires_grad=False on some ranks only."""
+def _refuse_frozen_on_some_ranks(what: str, items: str, ref, theirs, r: int, frozen, guess: bool) -> None:
+    """Raise when rank r's trainable parameters are rank 0's minus some (or the other way round):
+    frozen with requires_grad=False on some ranks only, or missing there. `frozen`: (rank 0's, rank
+    r's) frozen specs, which tell the two apart; unknown (None), frozen is assumed if `guess`, else
+    both are named."""
     if "trainable" not in items:
         return
     ours, others = [s[0] for s in ref], [s[0] for s in theirs]
     ours_set, others_set = set(ours), set(others)
     only_ref = [n for n in ours if n not in others_set]
     only_theirs = [n for n in others if n not in ours_set]
-    if bool(only_ref) != bool(only_theirs):
-        raise ValueError(
-            f"{what}: rank 0 and rank {r} wrap different {items}: {_names(only_ref)} only on rank 0, "
-            f"{_names(only_theirs)} only on rank {r}; a parameter set to requires_grad=False on some "
-            "ranks only is left out of their plans. Every rank must build the same model and freeze "
-            "the same parameters before wrapping it"
-        )
+    if bool(only_ref) == bool(only_theirs):
+        return
+    differ = (f"{what}: rank 0 and rank {r} wrap different {items}: {_names(only_ref)} only on rank 0, "
+              f"{_names(only_theirs)} only on rank {r}")
+    fix = "Every rank must build the same model and freeze the same parameters before wrapping it"
+    if frozen is not None:
+        frozen_0, frozen_r = ({s[0] for s in f} for f in frozen)
+        if not (set(only_ref) <= frozen_r and set(only_theirs) <= frozen_0):
+            return
+    elif not guess:
+        raise ValueError(f"{differ} -- the other rank built its model without them, or set requires_grad=False on "
+                         f"them (which leaves them out of its plan). {fix}")
+    raise ValueError(f"{differ}; a parameter set to requires_grad=False on some ranks only is left out of their "
+                     f"plans. {fix}")
 
 
 def _names(names: list, most: int = 5) -> str:

@@ -399,9 +399,9 @@ def _share(node, fd: int, path: str, seg: int, backed: int) -> list[np.ndarray]:
     errors = [x for x in node.allgather(error) if x]
     paths = node.allgather(path)
     if errors:
-        raise OSError(f"no shared memory for the all-reduce: {errors[0]} (its size: PORTDDP_SHM_SCRATCH_MB, "
-                      f"{scratch_mb():g} MB, and the arena's address space, PORTDDP_SHM_ARENA_MB, {arena_mb():g} MB: "
-                      "make room in /dev/shm, or lower the scratch; PORTDDP_MPI_ALLREDUCE=mpi uses MPI's own)")
+        raise OSError(f"no shared memory for the all-reduce: {errors[0]} (each rank's segment: a scratch area of "
+                      "PORTDDP_SHM_SCRATCH_MB, and the arena's address space, PORTDDP_SHM_ARENA_MB: make room in "
+                      "/dev/shm or lower them; PORTDDP_MPI_ALLREDUCE=mpi uses MPI's own all-reduce)")
     segs = []
     for j, p in enumerate(paths):
         if j == node.rank:

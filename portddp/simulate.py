@@ -595,7 +595,7 @@ def main(argv=None) -> int:
               "across links, measure on an emulated cluster of 2 hosts or more (`portddp run overlap -n 2 --hosts 2 "
               "--link matched -- --batch 1024`, root)", file=sys.stderr)
     _note_fit(ns.result, model.link, samples_from_trace(off, trace_rate))
-    if world_to != world and ns.hop_latency_us is None and link.hop_s == 0:
+    if world_to > world and ns.hop_latency_us is None and link.hop_s == 0:
         print(f"portddp simulate: note: {ns.result} was measured at {_count(world, 'rank')} only, which cannot tell "
               "the latency of one ring step from the fixed cost of an all-reduce: it is taken as 0, so the "
               f"prediction at {_count(world_to, 'rank')} grows only with the wire's share 2(n-1)/n, not with the "

@@ -851,7 +851,7 @@ def _is_c10d_timeout(value) -> bool:
 def env_seconds(name: str, default: float, *, zero_means: str | None = None) -> float:
     """Environment variable `name` as seconds (`default` when unset): a number > 0, or >= 0 where
     `zero_means` says what 0 does; anything else is refused naming the variable and the fix."""
-    return env.number(name, default, unit="seconds", zero_means=zero_means)
+    return env.number(name, default, unit="seconds", zero_means=zero_means, infinite=True)
 
 
 def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: float | None = None,

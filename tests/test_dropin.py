@@ -62,8 +62,8 @@ def test_a_hook_that_grows_its_buffer(results):
             assert row["bitwise"], row
         else:  # (the shared-memory window cannot grow: refused, naming the fix)
             assert re.match(r"comm hook _padding_hook resized bucket \d+'s buffer\(\) \(resize_\(\), as torch's "
-                            r"batched_powerSGD_hook pads it\): with transport='mpi' on one host the bucket lies in the "
-                            r"shared-memory window, which cannot grow\. Pad a copy", row["message"]), row
+                            r"batched_powerSGD_hook pads it\): transport='mpi' keeps its buckets in numpy's memory "
+                            r"\(the shared-memory window on one host\), which cannot grow\. Pad a copy", row["message"]), row
 
 
 def test_native_attributes_and_module_interface(results):

@@ -107,6 +107,12 @@ def test_plain_attributes_the_forward_changes_are_kept_as_nnx_value_and_grad_kee
         assert row["rows"][0] == row["rows"][1], row  # the batch rows the last forward saw, step by step
 
 
+@pytest.mark.parametrize("strategy", ["compiled", "pmap"])
+def test_a_change_of_the_trained_state_on_one_shard_is_refused_everywhere(two_ranks, pmap_world, strategy):
+    for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"changed_on_one_shard/{strategy}")[1]:
+        assert row["outcome"].startswith("loss_fn changed the value of trained state ['l1']['kernel'].value"), row
+
+
 @pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
 def test_wrt_trains_a_subset_and_freezes_the_rest(two_ranks, pmap_world, strategy):
     """DistributedDataParallel(model, wrt=F) beside nnx.Optimizer(model, tx, wrt=F) -- F = nnx.LoRAParam, or a

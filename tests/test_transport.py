@@ -127,3 +127,11 @@ def test_shared_memory_sizes_need_not_agree_where_no_shared_memory_is_used():
     proc = mpi.run(2, "tests.workers.env_mismatch", "1:PORTDDP_SHM_ARENA_MB=1024", timeout=120,
                    env={"PORTDDP_MPI_ALLREDUCE": "mpi"})
     assert proc.returncode == 0 and proc.stdout.count("stepped") == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("setting", ["PORTDDP_SHM_SCRATCH_MB=16", "PORTDDP_SHM_ARENA_MB=4096.0"])
+def test_a_size_set_to_its_default_on_one_rank_agrees_with_the_unset_others(setting):
+    """(The environment's checked readers of 2026-12-06 first gave the default as 16 where unset and 16.0
+    where set, which the agreement check took for different values.)"""
+    proc = mpi.run(2, "tests.workers.env_mismatch", f"1:{setting}", timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("stepped") == 2, proc.stdout[-2000:] + proc.stderr[-2000:]

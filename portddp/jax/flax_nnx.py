@@ -238,29 +238,37 @@ def _moved(before, after):
     """Per leaf of the trained state `before` (loss_fn's input), whether loss_fn gave it a new value
     (`after`, read back from the model): None when the trace kept every one (the usual case: the
     step's program then holds no comparison). A leaf some transformation passed through (nnx.remat)
-    is a new array of the same value: compared in the program, where NaN equals NaN."""
+    is a new array of the same value: compared in the program, where NaN equals NaN. In a compiled
+    or pmap step, any rank's or device's change is every one's (their aux is the first device's)."""
+    from portddp.jax.compiled import DATA_AXIS  # noqa: PLC0415
+
     after = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(after)[0]}
     leaves = jax.tree_util.tree_flatten_with_path(before)[0]
     new = [after.get(jax.tree_util.keystr(path), x) for path, x in leaves]
     if all(y is x for (_, x), y in zip(leaves, new)):
         return None
-    return jnp.stack([jnp.bool_(False) if y is x else ~jnp.array_equal(x, y, equal_nan=True)
-                      for (_, x), y in zip(leaves, new)])
+    moved = jnp.stack([jnp.int32(0) if y is x else (~jnp.array_equal(x, y, equal_nan=True)).astype(jnp.int32)
+                       for (_, x), y in zip(leaves, new)])
+    try:
+        return jax.lax.pmax(moved, DATA_AXIS)
+    except NameError:  # (no such axis: a hooked or local step, each rank its own)
+        return moved
 
 
-def _leaf_names(tree) -> list[str]:
-    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _refuse_moved(names: list[str], moved) -> None:
-    """Raise if `moved` (_moved's flags) says loss_fn changed a trained leaf; inside the user's jit
-    (hooked grad_fn), when the program runs."""
+def _refuse_moved(params, moved) -> None:
+    """Raise if `moved` (_moved's flags) says loss_fn changed a leaf of `params`; inside the user's
+    jit (hooked grad_fn), when the program runs."""
     from portddp.jax.taps import traced  # noqa: PLC0415
 
+    def names(flags):
+        return [jax.tree_util.keystr(path) for (path, _), m in
+                zip(jax.tree_util.tree_flatten_with_path(params)[0], flags.tolist()) if m]
+
     if traced(moved):
-        jax.debug.callback(lambda flags: _refuse_moved(names, flags), moved)
+        skeleton = jax.tree.map(lambda _: 0, params)  # (the paths, not the trace's values)
+        jax.debug.callback(lambda flags: _refuse_moved(skeleton, flags), moved)
     elif moved.any():
-        raise _trained_state_changed([n for n, m in zip(names, moved.tolist()) if m])
+        raise _trained_state_changed(names(moved))
 
 
 def _trained_state_changed(names: list[str]) -> RuntimeError:
@@ -374,6 +382,8 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
 
     step = ddp._grad_step(pure, loss_fn)
 
+    unchecked: list = []  # an eager sync=False step's flags, checked at the next call (not waiting for it)
+
     def grad_fn(model, batch, sync: bool = True):
         if not is_module(model):
             raise TypeError(f"nnx_value_and_grad's grad_fn takes (model, batch) with an nnx.Module; got "
@@ -384,11 +394,15 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         if ddp._uneven is not None and not is_traced(params):  # its buffers are synchronised at the loop's end
             ddp._uneven.remember(model)
         traced.clear()
+        if unchecked:
+            _refuse_moved(*unchecked.pop())
         loss, aux, (buffers, other), grads = step(graphdef, params, (buffers, other), batch, sync)
         if aux is not None:  # (None: this rank has joined)
             aux, moved = aux
-            if moved is not None:
-                _refuse_moved(_leaf_names(params), moved)
+            if moved is not None and (sync or is_traced(moved)):  # (a synchronised step waited for its sum)
+                _refuse_moved(params, moved)
+            elif moved is not None:
+                unchecked.append((jax.tree.map(lambda _: 0, params), moved))
         nnx.update(model, buffers, other)
         # (only traces that changed something are kept: a model that changes none pays nothing per step)
         if batch is not ddp.JOINED and (traced and traced[-1] or plain_changes):

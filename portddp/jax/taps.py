@@ -16,7 +16,6 @@ launched waits on their sum).
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

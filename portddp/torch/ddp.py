@@ -236,7 +236,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             forward_sync_buffers)
         self.config = config
         self._iterations = 0  # synchronised iterations finished
-        self._step_count = 0  # forwards with autograd on (no_sync ones included)
+        self._step_count = 0  # steps so far (no_sync ones included): see _step_slot
+        self._forwards: list[list] = []  # since the last count: per forward with autograd on, its backward pass
         self._tuner = config.tuner()
         self.module = module
         self.dim = dim
@@ -384,7 +385,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
             everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine, buffers,
                                                     [_dense_strides(p) for p in self._params]])
-        check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters")
+        check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters",
+                         frozen=[e[2] for e in everyone])
         check_same_frozen(everyone)
         check_same_buffers(everyone)
         return everyone
@@ -531,7 +533,6 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 "would never see them and every rank would step on its own local gradient. portddp.torch "
                 "reduces .grad only: use torch.nn.parallel.DistributedDataParallel for distributed autograd")
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._step_count += torch.is_grad_enabled()  # compared across ranks at every reduction
         if grad_sync:
             self._check_prior_reduction_finished()
             if self._tuner is not None and not self._tuner.done:
@@ -563,8 +564,21 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._events.forward_end_ns = _now()
             if self.static_graph:
                 output = self._through_sink(output)
-            self._mark_backward_source(output)
+        if torch.is_grad_enabled():
+            self._mark_backward_source(output, grad_sync)
         return output
+
+    def _step_slot(self) -> int:
+        """The step count compared across ranks at every reduction (protocol.check_same_step). A step
+        is a backward pass and the forwards with autograd on whose outputs it reached (several
+        forwards into one loss -- micro-batches concatenated, a rank-conditional extra term -- are one
+        step, as native takes them), or a forward that no backward reached (a backward skipped on one
+        rank, an evaluation forward with autograd on): each its own step."""
+        if self._forwards:
+            passes = {t[0] for t in self._forwards}
+            self._step_count += len(passes - {None}) + sum(t[0] is None for t in self._forwards)
+            self._forwards.clear()
+        return super()._step_slot()
 
     def _check_parameters_unchanged(self) -> None:
         """A model whose trainable parameters changed after wrapping would train them un-averaged.
@@ -854,19 +868,21 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._issue(f"bucket {b}")
         if self._hook is None:
             return self._comm.allreduce_timed(buffer, event) if event is not None else self._comm.allreduce(buffer)
-        # A new GradBucket each time, as native hands out: hooks may set_buffer() on it. Its buffer() is
-        # a tensor of its own over the bucket's memory: a hook that pads it with resize_() (as
-        # batched_powerSGD_hook does) grows that tensor, not the bucket the gradients are packed into.
+        # A new GradBucket each time, as native hands out: hooks may set_buffer() on it. On c10d its
+        # buffer() is a tensor of its own over the bucket's memory: a hook that pads it with resize_()
+        # (as batched_powerSGD_hook does) grows that tensor, not the bucket the gradients are packed into.
+        # (MPI's buckets are numpy's memory, shared or not, which cannot grow at all.)
         try:
-            fut = self._hook(self._hook_state, self._grad_bucket(b, buffer.view(-1)))
+            fut = self._hook(self._hook_state, self._grad_bucket(b, buffer.view(-1) if self.transport == "c10d"
+                                                                  else buffer))
         except RuntimeError as e:
-            if "not resizable" not in str(e):
+            if self.transport != "mpi" or "not resizable" not in str(e):
                 raise
             raise RuntimeError(
                 f"comm hook {_hook_name(self._hook)} resized bucket {b}'s buffer() (resize_(), as torch's "
-                "batched_powerSGD_hook pads it): with transport='mpi' on one host the bucket lies in the "
-                "shared-memory window, which cannot grow. Pad a copy in the hook (torch.nn.functional.pad("
-                "bucket.buffer(), ...)), or use transport='c10d' (or PORTDDP_MPI_ALLREDUCE=mpi)") from e
+                "batched_powerSGD_hook pads it): transport='mpi' keeps its buckets in numpy's memory (the "
+                "shared-memory window on one host), which cannot grow. Pad a copy in the hook "
+                "(torch.nn.functional.pad(bucket.buffer(), ...)), or use transport='c10d'") from e
         if not isinstance(fut, torch._C.Future):  # (c10d's get_future() is the C++ base class)
             raise TypeError(
                 f"comm hook {_hook_name(self._hook)} returned {type(fut).__name__} for bucket {b}; a hook must "
@@ -879,7 +895,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _check_hook_result(self, b: int, result) -> torch.Tensor:
         """Native's contract: the future's value is one tensor shaped like the bucket."""
         tensor = _tensor_of(result)
-        expected = self._bucket_buffers[b][:self._plan.buckets[b].numel]  # (its own size, whatever a hook did)
+        expected = self._bucket_buffers[b]
         if (expected.is_complex() and isinstance(tensor, torch.Tensor) and tensor.numel() == 2 * expected.numel()
                 and tensor.dtype == _REAL_OF.get(expected.dtype)):
             # c10d's all_reduce of a complex tensor resolves to its real view (n, 2); native takes it.

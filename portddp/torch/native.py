@@ -117,6 +117,7 @@ class _JoinHook(JoinHook):
         src = ddp._find_common_rank(is_last_joiner)
         ddp._broadcast_state(src=src, buffers=ddp.forward_sync_buffers)
         ddp._step_count = 0  # the joined ranks stopped counting: every rank starts again from here
+        ddp._forwards.clear()
 
 
 def backward_recorder(ddp) -> Callable:
@@ -131,6 +132,19 @@ def backward_recorder(ddp) -> Callable:
             owner._ddp_backward_task = torch._C._current_graph_task_id()
 
     return record
+
+
+def step_marker(token: list, record: Callable | None) -> Callable:
+    """A grad_fn pre-hook on a forward's output: token[0] = the autograd pass that first reached it
+    (how forwards are told apart into steps: `DistributedDataParallel._step_slot`); then `record`
+    (backward_recorder's, for a synchronised forward)."""
+    def mark(grad_outputs):
+        if token[0] is None:
+            token[0] = torch._C._current_graph_task_id()
+        if record is not None:
+            record(grad_outputs)
+
+    return mark
 
 
 class NativeInterface:
@@ -441,14 +455,19 @@ class NativeInterface:
         of this wrapper (whose grad_fn pre-hook recorded the pass: `_mark_backward_source`)."""
         return torch._C._current_graph_task_id() == self._ddp_backward_task
 
-    def _mark_backward_source(self, output) -> None:
-        """Have a backward pass from `output` record itself (see _in_ddp_backward): a gradient that
-        arrives outside an iteration in such a pass is a second backward through a synchronised
-        forward's graph (an error), in any other pass one of a graph built without the wrapper
-        (`ddp.module(x)`), which native ignores and leaves in .grad."""
+    def _mark_backward_source(self, output, synchronised: bool) -> None:
+        """Note the forward that made `output` (a forward with autograd on) for the step count, and
+        the autograd pass that reaches it (step_marker). A synchronised forward's pass also records
+        itself (see _in_ddp_backward): a gradient that arrives outside an iteration in such a pass
+        is a second backward through a synchronised forward's graph (an error), in any other pass
+        one of a graph built without the wrapper (`ddp.module(x)`), which native ignores and leaves
+        in .grad."""
+        token = [None]
+        self._forwards.append(token)
+        hook = step_marker(token, self._record_backward if synchronised else None)
         for t in (output,) if isinstance(output, torch.Tensor) else torch.utils._pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.register_prehook(self._record_backward)
+                t.grad_fn.register_prehook(hook)
 
     def _first_order(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """backward(create_graph=True): native's behaviour -- the gradient's values are averaged,

@@ -453,6 +453,30 @@ def wrt_subset(strategy: str):
     common.report(WORLD.rank, f"wrt/{strategy}", **out)
 
 
+def changed_on_one_shard(strategy: str):
+    """A forward that changes a trained Param only where its shard holds a large input -- the last rank's
+    (compiled) or the last device's (pmap, whose aux is the first device's: the change went unseen) -- is
+    refused on every rank and for every device."""
+    model = net(WORLD.rank, 100)
+    ddp = DistributedDataParallel(model, strategy=strategy)
+    world = WORLD.size if strategy != "pmap" else ddp.world_size
+
+    def shrinks_when_large(m, b):
+        m.l1.kernel[...] = jnp.where(jnp.abs(b[0]).max() > 50, m.l1.kernel[...] * 0.5, m.l1.kernel[...])
+        return loss_fn(m, b)
+
+    shards = [batch_of(r, 0) for r in range(world)]
+    shards[-1] = (shards[-1][0] * 1000, shards[-1][1])
+    mine = (np.concatenate([s[0] for s in shards]), np.concatenate([s[1] for s in shards])) \
+        if strategy == "pmap" else shards[WORLD.rank]
+    try:
+        ddp.nnx_value_and_grad(shrinks_when_large)(model, mine)
+        outcome = "no error"
+    except RuntimeError as e:
+        outcome = str(e)
+    common.report(WORLD.rank, f"changed_on_one_shard/{strategy}", outcome=outcome)
+
+
 # ------------------------------------------------------------------ bad input
 def bad(case: str) -> None:
     last = WORLD.rank == WORLD.size - 1
@@ -592,6 +616,8 @@ def main(strategies):
         wrt_subset(strategy)
         scalar_batch_leaf(strategy)
         captured_values(strategy)
+        if strategy != "hooked":
+            changed_on_one_shard(strategy)
     if "hooked" in strategies:
         nnx_train("hooked", jit=True)
         nnx_train("hooked", broadcast_buffers=False)
