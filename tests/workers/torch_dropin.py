@@ -241,6 +241,29 @@ def padding_hook(transport):
     report(f"padding_hook/{transport}", message=message)
 
 
+def forwards_per_backward(transport):
+    """Several forwards through the wrapper into one backward, their number per rank: each rank's batch
+    in micro-batches of its own count (rank 0 three, the others two), concatenated; then a term through
+    the wrapper on rank 0 only. As native, bitwise (portddp counted a step per forward: 'ranks reached
+    this gradient reduction at different steps'). A backward skipped on one rank is still named: the
+    misuse tests."""
+    def train(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        rank = dist.get_rank()
+        for step in range(4):
+            opt.zero_grad()
+            x, y = batch(step, rank, torch.float32)
+            out = torch.cat([ddp(c) for c in x.chunk(3 if rank == 0 else 2)])
+            loss = nn.functional.mse_loss(out, y)
+            if rank == 0 and step % 2:
+                loss = loss + 0.1 * ddp(x[:2]).pow(2).mean()
+            loss.backward()
+            opt.step()
+
+    native, ours = pair(transport)
+    compare("forwards_per_backward", transport, native, ours, train)
+
+
 def late_hook(transport):
     """A comm hook registered after two steps (compression switched on after a warm-up), as native
     allows: it reduces from the next iteration on -- also when registered between a forward and its
@@ -857,7 +880,7 @@ SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, un
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
-             static_graph_dataclass_output, checkpoint_state_dict, padding_hook]
+             static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward]
 
 
 def main():
