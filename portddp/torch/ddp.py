@@ -386,7 +386,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine, buffers,
                                                     [_dense_strides(p) for p in self._params]])
         check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters",
-                         frozen=[e[2] for e in everyone])
+                         frozen=[e[2] if len(e) > 2 else None for e in everyone])  # (a JAX rank sends two items)
         check_same_frozen(everyone)
         check_same_buffers(everyone)
         return everyone
