@@ -129,7 +129,9 @@ class DDPCommon:
 
     def _issue(self, what: str) -> None:
         """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
-        watchdog.collective(f"iteration {self._iterations + 1}: {what}")
+        left = getattr(self, "_left_uneven", None)  # (portddp.jax: a ddp.uneven() loop this rank left early)
+        note = f" (this rank left a ddp.uneven() loop early, after its step {left}: a break?)" if left else ""
+        watchdog.collective(f"iteration {self._iterations + 1}: {what}{note}")
 
     def _tuned_cap(self, now: int) -> float:
         """bucket_cap_mb="auto": the cap the tuner gives this synchronised iteration; once its trials

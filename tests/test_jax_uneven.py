@@ -84,3 +84,13 @@ def test_a_rank_that_stops_one_batch_early_stops_every_rank_naming_it(strategy):
         assert re.search(rf"rank 2 \(pid \d+ on .*\) left without an error .* after 2 synchronised iteration\(s\), "
                          rf"while this rank is in iteration 3.*; rank {r} exits now \(code 70\)",
                          proc.stderr), proc.stderr[-3000:]
+
+
+def test_a_break_out_of_uneven_on_one_rank_is_named_by_the_stall_inspector():
+    """A break on rank 0 alone, then the next epoch's loop: the ranks meet in different collectives, which only
+    the stall inspector can name (a closed generator cannot tell the others); its table says this rank left the
+    loop early (was: only the collectives' usual names)."""
+    proc = mpi.run(2, "tests.workers.jax_uneven", "break", "hooked", timeout=90, env={"PORTDDP_STALL_S": "6"})
+    assert proc.returncode != 0
+    assert "this rank left a ddp.uneven() loop early, after its step 2: a break?" in proc.stdout + proc.stderr, \
+        proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -195,6 +195,7 @@ class DistributedDataParallel(DDPCommon):
         self.transport = config.transport
         self.check_finite = config.check_finite
         self._iterations = 0  # synchronised iterations finished
+        self._left_uneven = None  # the agreements of a ddp.uneven() loop this rank left early, until all meet again
         self._step_count = 0  # grad_fn calls (sync=False ones included), compared across ranks at every reduction
         self._local_params = None  # the parameters of the last eager sync=False step, while values may differ
         self._buffers_agreed = False  # buffer specs agreed across ranks (first synchronised call): _agree_on_start
@@ -499,7 +500,7 @@ class DistributedDataParallel(DDPCommon):
         alone = self.strategy == "pmap" or self.world_size == 1  # one process: nothing to agree on
 
         def steps():
-            step = _Uneven()
+            step, agreed = _Uneven(), 0
             try:
                 while True:
                     batch = _END if step.out else next(batches, _END)
@@ -519,6 +520,8 @@ class DistributedDataParallel(DDPCommon):
                     with watchdog.waiting():
                         self._comm.allreduce(flags).wait()
                     watchdog.step_finished()
+                    agreed += 1
+                    self._left_uneven = None  # (every rank met here: any earlier loop left early is behind us)
                     flags, models = flags[:self.world_size], flags[self.world_size:].tolist()
                     step.count = int(flags.sum())
                     if step.count == 0:
@@ -536,7 +539,11 @@ class DistributedDataParallel(DDPCommon):
                             None if step.out else _batch_spec(batch)) if t is not None)
                     self._inv_world = 1.0 / (self.world_size if divide_by_initial_world_size else step.count)
                     self._uneven = step
-                    yield JOINED if step.out else batch
+                    try:
+                        yield JOINED if step.out else batch
+                    except GeneratorExit:  # left early (a break): said in this rank's next collectives' names, which
+                        self._left_uneven = agreed  # the stall inspector prints (the others may still be in the loop)
+                        raise
                     self._uneven = None
             finally:
                 self._uneven = None
@@ -618,6 +625,7 @@ class DistributedDataParallel(DDPCommon):
             watchdog.step_finished()
             self._hlo, self._iteration_time = step.hlo, (_now() - t0) * 1e-9
             self._iterations += 1
+            self._left_uneven = None
             if counts is not None:  # every rank holds the same counts: every rank raises alike
                 check_same_step(counts, self.rank)
             return out
@@ -1101,6 +1109,7 @@ class DistributedDataParallel(DDPCommon):
         self._events.finalize_end_ns = _now()
         self._last_events = self._events
         self._iterations += 1
+        self._left_uneven = None  # (every rank met in this iteration: a loop left early is behind us)
         if not self._rebuilt and self._rebuild_order is None:
             self._rebuild_order = self._ready_order
         check_same_step(totals[-self.world_size:].tolist(), self.rank)

@@ -18,7 +18,7 @@ import warnings
 
 import portddp
 
-_EARLY = sys.argv[1:2] == ["early"]
+_EARLY = sys.argv[1:2] in (["early"], ["break"])
 _STRATEGY = sys.argv[2] if _EARLY else None
 WORLD = portddp.init(torch_distributed=False, jax_distributed=not _EARLY or _STRATEGY == "compiled")
 
@@ -219,9 +219,21 @@ def early(strategy: str) -> None:
     print(f"rank {WORLD.rank} finished its loop", flush=True)
 
 
+def break_alone(strategy: str) -> None:
+    """uneven() left with a break on rank 0 after one batch, then a second loop on every rank (a next epoch)."""
+    params = init_params()
+    ddp = DistributedDataParallel(params, strategy=strategy)
+    grad_fn = ddp.value_and_grad(loss_fn)
+    for epoch in range(2):
+        for k, batch in enumerate(ddp.uneven(batches_of(WORLD.rank))):
+            if epoch == 0 and k == 1 and WORLD.rank == 0:
+                break
+            grad_fn(params, batch)
+
+
 def main() -> None:
     if _EARLY:
-        early(_STRATEGY)
+        (early if sys.argv[1] == "early" else break_alone)(_STRATEGY)
         return
     train("hooked", "hooked")
     train("hooked/jit", "hooked", jit=True)
