@@ -129,7 +129,7 @@ class DDPCommon:
 
     def _issue(self, what: str) -> None:
         """Name the collective this rank issues next, for the stall inspector (portddp.watchdog)."""
-        left = getattr(self, "_left_uneven", None)  # (portddp.jax: a ddp.uneven() loop this rank left early)
+        left = self.__dict__.get("_left_uneven")  # (portddp.jax: a ddp.uneven() loop this rank left early)
         note = f" (this rank left a ddp.uneven() loop early, after its step {left}: a break?)" if left else ""
         watchdog.collective(f"iteration {self._iterations + 1}: {what}{note}")
 
