@@ -28,7 +28,7 @@ import numpy as np
 
 from portddp import env
 from portddp.launch import allgather_pickled, test_then_sleep
-from portddp.shm import is_half, scatter_into
+from portddp.shm import arena_mb, is_half, scatter_into, scratch_mb
 
 __all__ = ["Handle", "MPITransport", "get_transport"]
 
@@ -65,8 +65,6 @@ _SHM_ONLY = ("PORTDDP_SHM_SCRATCH_MB", "PORTDDP_SHM_ARENA_MB")
 
 def _settings() -> dict:
     """This rank's values of _AGREED, each checked (the MB ones as numbers, so that 16 and 16.0 agree)."""
-    from portddp.shm import arena_mb, scratch_mb  # noqa: PLC0415
-
     return {"PORTDDP_MPI_ALLREDUCE": env.choice("PORTDDP_MPI_ALLREDUCE", "shm", ("shm", "mpi")),
             "PORTDDP_MPI_WAIT": env.choice("PORTDDP_MPI_WAIT", "", ("spin", "sleep")),
             "PORTDDP_SHM_SCRATCH_MB": scratch_mb(), "PORTDDP_SHM_ARENA_MB": arena_mb()}
@@ -201,16 +199,17 @@ class MPITransport:
         self._max_pause = env.number("PORTDDP_MPI_POLL_US", 1000, unit="microseconds") * 1e-6
         # The all-reduce (PORTDDP_MPI_ALLREDUCE=shm|mpi): within a host on a shared-memory window
         # (portddp.shm; hierarchical across hosts), or MPI's own.
-        self.allreduce_impl = env.choice("PORTDDP_MPI_ALLREDUCE", "shm", ("shm", "mpi"))
+        settings = _settings()  # (a bad value is refused here, before any collective)
+        self.allreduce_impl = settings["PORTDDP_MPI_ALLREDUCE"]
         self._shm = None
         self._warned_full = False
-        facts = self.comm.allgather((self.local_size, _settings()))
+        facts = self.comm.allgather((self.local_size, settings))
         # (before the shared-memory set-up's own collectives, which differing settings would mismatch)
         _check_settings([f[1] for f in facts], self.rank, [n for n in _AGREED if n not in _SHM_ONLY])
         sizes = {f[0] for f in facts}
         if self.allreduce_impl == "shm" and self.local_size > 1 and len(sizes) == 1:
             _check_settings([f[1] for f in facts], self.rank, ["PORTDDP_SHM_SCRATCH_MB"])
-            mine = self.node.allgather((self.rank, _settings()))
+            mine = self.node.allgather((self.rank, settings))
             _check_settings([m[1] for m in mine], self.rank, ["PORTDDP_SHM_ARENA_MB"], [m[0] for m in mine])
             self._shm = ShmAllreduce(self.comm, self.node, wait=self._complete, half_op=_half_sum_op)
         else:
@@ -222,7 +221,7 @@ class MPITransport:
         # keeps the blocking call. Across hosts the nonblocking ring (MPIR_CVAR_IALLREDUCE_INTRA_
         # ALGORITHM, set by portddp.launch) is also the faster one. README, Performance.
         default_wait = "spin" if self._shm is None and not self.multi_host else "sleep"
-        self._spin = env.choice("PORTDDP_MPI_WAIT", default_wait, ("spin", "sleep")) == "spin"
+        self._spin = (settings["PORTDDP_MPI_WAIT"] or default_wait) == "spin"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="portddp-mpi-comm", daemon=True)
         self._thread.start()

@@ -265,10 +265,15 @@ def _refuse_moved(params, moved) -> None:
                 zip(jax.tree_util.tree_flatten_with_path(params)[0], flags.tolist()) if m]
 
     if traced(moved):
-        skeleton = jax.tree.map(lambda _: 0, params)  # (the paths, not the trace's values)
+        skeleton = _paths_only(params)
         jax.debug.callback(lambda flags: _refuse_moved(skeleton, flags), moved)
     elif moved.any():
         raise _trained_state_changed(names(moved))
+
+
+def _paths_only(tree):
+    """`tree` with 0 for every leaf: its paths, for naming leaves later, without holding its arrays."""
+    return jax.tree.map(lambda _: 0, tree)
 
 
 def _trained_state_changed(names: list[str]) -> RuntimeError:
@@ -402,7 +407,7 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
             if moved is not None and (sync or is_traced(moved)):  # (a synchronised step waited for its sum)
                 _refuse_moved(params, moved)
             elif moved is not None:
-                unchecked.append((jax.tree.map(lambda _: 0, params), moved))
+                unchecked.append((_paths_only(params), moved))
         nnx.update(model, buffers, other)
         # (only traces that changed something are kept: a model that changes none pays nothing per step)
         if batch is not ddp.JOINED and (traced and traced[-1] or plain_changes):
