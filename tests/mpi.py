@@ -39,16 +39,23 @@ def run(n: int | None, module: str, *args: str, timeout: float = 240, env: dict 
 def collect(n: int, module: str, out: Path, *args: str) -> dict:
     """Run a results-writing worker on n ranks (plain python for n=1); return
     {(scenario, rank): row} from the JSON lines every rank wrote."""
-    import json  # noqa: PLC0415
-
     proc = run(None if n == 1 else n, module, *args, env={"PORTDDP_RESULTS": str(out)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {}
-    for r in range(n):
-        for line in (out / f"rank{r}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            rows[row["scenario"], row["rank"]] = row
-    return rows
+    return {(row["scenario"], row["rank"]): row for rank_rows in rows(proc, out, n) for row in rank_rows}
+
+
+def rows(proc, out: Path, n: int) -> list[list[dict]]:
+    """Every rank's JSON lines from $PORTDDP_RESULTS=out, rank by rank. A rank that wrote none fails
+    the test with the job's exit status and output (a job that exits 0 without a rank's results
+    is a bug of its own, not a missing file)."""
+    import json  # noqa: PLC0415
+
+    missing = [r for r in range(n) if not (out / f"rank{r}.jsonl").exists()]
+    if missing:
+        pytest.fail(f"ranks {missing} wrote no results to {out} (exit status {proc.returncode}; there: "
+                    f"{sorted(p.name for p in out.iterdir())})\nstdout:\n{proc.stdout[-3000:]}\n"
+                    f"stderr:\n{proc.stderr[-3000:]}")
+    return [[json.loads(line) for line in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(n)]
 
 
 def each_rank(results, scenario: str):

@@ -99,8 +99,7 @@ def test_torchrun_style_script_under_mpirun(tmp_path, portddp_init, transport):
                    env={"PORTDDP_RESULTS": str(tmp_path), **({"PORTDDP_TRANSPORT": transport} if transport else {})},
                    timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for r in range(2):
-        row = __import__("json").loads((tmp_path / f"rank{r}.jsonl").read_text())
+    for r, (row,) in enumerate(mpi.rows(proc, tmp_path, 2)):
         assert row["distributed"] and row["world"] == 2 and row["local_rank"] == r and row["bitwise"], row
         assert row["transport"] == (transport or "c10d"), row
 

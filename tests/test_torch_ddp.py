@@ -5,7 +5,6 @@ The worker (tests/workers/torch_equivalence.py) runs every scenario under
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -190,8 +189,7 @@ def test_under_torchrun_with_c10d(tmp_path):
                           cwd=mpi.ROOT, env={**os.environ, "PORTDDP_RESULTS": str(tmp_path), "TMPDIR": str(tmp_path)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for r in range(2):
-        rows = [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
+    for rows in mpi.rows(proc, tmp_path, 2):
         plain = next(row for row in rows if row["scenario"] == "plain/c10d")
         assert plain["bitwise"], plain
 
