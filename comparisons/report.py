@@ -675,7 +675,7 @@ def _no_results(results: Path, problems: list[str]) -> NoReturn:
     raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
 
 
-def build(results: Path, out: Path) -> Path:
+def build(results: Path, out: Path, prog: str = "python -m comparisons.report") -> Path:
     found, equivalence, problems = load(results)
     if not (found or equivalence):  # (before making `out`: no empty report folder left behind)
         _no_results(results, problems)
@@ -730,10 +730,11 @@ def build(results: Path, out: Path) -> Path:
         _no_results(results, problems)
     any_payload = next((ps[-1] for ps in found.values() if "environment" in ps[-1]), None)
     env = any_payload["environment"] if any_payload else {}
-    head = (f"# portddp report\n\nGenerated {datetime.datetime.now():%Y-%m-%d %H:%M} from `{results}` by "
-            f"`python -m comparisons.report`. Machine: {env.get('cpus', '?')} CPUs, {env.get('machine', '?')}; "
+    head = (f"# portddp report\n\nGenerated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from "
+            f"`{results}` by `{prog}`. Machine: {env.get('cpus', '?')} CPUs, {env.get('machine', '?')}; "
             f"Python {env.get('python', '?')}, PyTorch {env.get('torch', '?')}, portddp {portddp.__version__}.\n")
-    commands = sorted({p.get("command", "?") for ps in found.values() for p in ps})
+    commands = sorted({p.get("command", "?") + (f"    # written {p['written_utc']}" if p.get("written_utc") else "")
+                       for ps in found.values() for p in ps})
     commands += sorted({f"mpirun -n {r['world']['size']} python -m comparisons.equivalence --model "
                         f"{r['config']['model']} --dtype {r['config']['dtype']} --optimizer {r['config']['optimizer']}"
                         f" --steps {r['config']['steps']}"
@@ -785,7 +786,7 @@ def main(argv=None, prog: str | None = None) -> int:
     problem = out_dir_problem(args.out, "--out")
     if problem:
         parser.error(problem)
-    path = build(results, Path(args.out))
+    path = build(results, Path(args.out), parser.prog)
     print(f"report: {path.resolve()}")
     return 0
 

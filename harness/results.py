@@ -7,6 +7,7 @@ nothing else.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -33,11 +34,13 @@ def out_dir_problem(path: str | os.PathLike, flag: str) -> str | None:
 
 
 def write_result(path: str | os.PathLike, payload: dict) -> Path:
-    """Write `payload` as JSON to `path` (a temporary file renamed over it: never half a file)."""
+    """Write `payload` as JSON to `path` (a temporary file renamed over it: never half a file), stamped
+    with when it was written (`written_utc`, unless it has one: the report dates each command by it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    stamped = {"written_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **payload}
+    tmp.write_text(json.dumps(stamped, indent=2, default=str))
     tmp.replace(path)
     return path
 

@@ -98,7 +98,7 @@ def run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCon
     try:
         return _run(name, cfg, make_variants)
     except KeyboardInterrupt:
-        print(f"{name}: rank {detect().rank} interrupted (Ctrl-C): no result written", file=sys.stderr, flush=True)
+        print(f"{name}: rank {detect().rank} interrupted (SIGINT: Ctrl-C, or its launcher stopping the job): no result written", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
 
 

@@ -7,7 +7,7 @@
     portddp report                      # python -m comparisons.report
     portddp cluster -n 4 --hosts 2 --link 1gbit -- python train.py   # an emulated cluster (root)
     portddp run overlap -n 2 --hosts 2 --link 500mbit                 # an experiment on it
-    portddp simulate results/overlap-n2-h2-1gbit.json --world 64 --link 10gbit --bucket-cap 4
+    portddp simulate results/overlap-n2-h2-1gbit.json --world 64 --link 10gbit --bucket-cap 4 --hop-latency-us 10
 
 run, compare, mixed and report start the entry points of the source checkout
 (experiments/, comparisons/ and the harness/ below them), which are not
@@ -28,6 +28,9 @@ import sys
 from pathlib import Path
 
 EXPERIMENTS = ("bench", "soak", "overlap", "bucket_sweep", "no_sync", "compression", "scaling")
+ON_THEIR_OWN = {"bandwidth": "an overlap run per link rate, each on an emulated cluster",
+                "simulate_validate": "the validation grid's overlap runs on emulated clusters"}
+"""experiments/ modules that launch runs themselves (README: Layout)."""
 
 
 def _checkout() -> Path:
@@ -218,6 +221,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="portddp", description=summary,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=examples)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"] and argv[1:2] and argv[1] in ON_THEIR_OWN:
+        parser.exit(2, f"portddp run: {argv[1]} starts its own jobs ({ON_THEIR_OWN[argv[1]]}), so it is not run "
+                    f"under mpirun: run `python -m experiments.{argv[1]} --help` from the checkout's root\n")
     named = argv[1] if argv[:1] == ["run"] and argv[1:2] and argv[1] in EXPERIMENTS else "EXPERIMENT"
     sub = parser.add_subparsers(dest="command", required=True)
     raw = {"formatter_class": argparse.RawDescriptionHelpFormatter}  # (the epilog's command lines kept whole)

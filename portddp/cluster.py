@@ -288,7 +288,9 @@ class Cluster:
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> "Cluster":
         require_root()
-        cleanup_stale()
+        if stale := cleanup_stale():  # (a launcher killed with SIGKILL: its job was still running until now)
+            print(f"portddp cluster: removed what launchers that are gone left behind (their jobs' processes "
+                  f"killed): {', '.join(stale)}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
             self._create()
@@ -466,7 +468,7 @@ def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = Fal
 def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool) -> int:
     say = (lambda *a: None) if quiet else (lambda msg: print(f"portddp cluster: {msg}", file=sys.stderr, flush=True))
     # The launcher's pid in the directory's name: after a kill -9, the next start removes it (cleanup_stale).
-    made = []
+    made, segments = [], set()
     try:
         with tempfile.TemporaryDirectory(prefix=f"{LAUNCHER_DIR}{os.getpid()}-") as tmp, \
                 Cluster(hosts, link) as cluster:
@@ -475,6 +477,7 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
                 f"link {cluster.link} per direction, {n // hosts} rank(s) per host (set up in {cluster.setup_s:.2f} "
                 "s)")
             before = cluster.interface_bytes()
+            segments = _mpich_segments()
             argv = cluster.mpirun(n, list(command), tmp)
             proc = subprocess.Popen(argv, env={**os.environ, **cluster.env()}, start_new_session=True)
             try:
@@ -495,8 +498,41 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
                     f"{(a['rx_bytes'] - b['rx_bytes']) / 1e6:.1f} MB")
     finally:
         if made and made[0].teardown_s is not None:  # (also when interrupted: namespaces, links, job gone)
-            say(f"removed (teardown {made[0].teardown_s:.2f} s)")
+            left = _remove_unmapped_segments(_mpich_segments() - segments)
+            say(f"removed (teardown {made[0].teardown_s:.2f} s" + (
+                f"; and the {len(left)} shared-memory segment(s) MPICH left in /dev/shm, its ranks stopped before "
+                f"MPI_Finalize: {', '.join(left)}" if left else "") + ")")
     return code
+
+
+_SHM = Path("/dev/shm")
+
+
+def _mpich_segments() -> set[str]:
+    """The names of MPICH's shared-memory segments in /dev/shm (every job's: the hosts share it)."""
+    with contextlib.suppress(OSError):
+        return {p.name for p in _SHM.glob("mpich_*")}
+    return set()
+
+
+def _remove_unmapped_segments(names: set[str]) -> list[str]:
+    """Of `names` (segments that appeared while this job ran), remove those no process maps any more --
+    what this job's ranks left when stopped before MPI_Finalize (MPICH unlinks them only there; a
+    rank's portddp.init does it early, a user's own MPI script does not). A segment some live process
+    maps (another job's, started meanwhile) is left alone. Returns the removed names."""
+    if not names:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(line.rsplit("/", 1)[-1].removesuffix(" (deleted)").strip()
+                          for line in maps.read_text().splitlines() if "/dev/shm/mpich_" in line)
+    removed = []
+    for name in sorted(names - mapped):
+        with contextlib.suppress(OSError):
+            (_SHM / name).unlink()
+            removed.append(name)
+    return removed
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -197,12 +197,24 @@ SEPARABLE_SPREAD = 1.5
 cost per all-reduce (alpha) from a per-byte one (host_s_per_byte): fit_link then fits alpha alone."""
 
 
+def _fixed_costs(design: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """Coefficients (>= 0) of the time beyond the wire: with one world size (one column, alpha: every
+    trace the CLI reads) its median -- robust to one all-reduce that also waited for a late peer (the
+    first bucket of an iteration without overlap absorbs the ranks' skew: 287 ms beside 29-41 ms in one
+    busy run, which made the mean, least squares' alpha, 31 ms where the buckets' own was ~1.4) --;
+    across several world sizes (alpha and the ring step's hop), least squares."""
+    if design.shape[1] == 1:
+        return np.array([max(0.0, float(np.median(rest)))])
+    return np.clip(np.linalg.lstsq(design, rest, rcond=None)[0], 0.0, None)
+
+
 def fit_link(samples: Sequence[tuple[int, int, float | None, float]]) -> LinkModel:
-    """Least-squares alpha and host_s_per_byte over measured all-reduces (bytes, world, rate, seconds).
+    """alpha and host_s_per_byte over measured all-reduces (bytes, world, rate, seconds): for each
+    candidate h, alpha (and hop) by `_fixed_costs`; the h whose fit leaves the least absolute error.
 
     With one size of all-reduce (an iteration whose buckets are all alike, as a model of equal
     layers gives), t = alpha + max(wire, sent * h) fits every split of the time beyond the wire
-    between alpha and h equally well; which one least squares would return is decided by rounding,
+    between alpha and h equally well; which one a fit would return is decided by rounding,
     and the two extrapolate differently (a host-bound h ignores a faster link). The split is then
     taken as all alpha (h = 0: the hosts keep up with the wire) and the model says so (`separable`)."""
     if not samples:
@@ -221,11 +233,11 @@ def fit_link(samples: Sequence[tuple[int, int, float | None, float]]) -> LinkMod
 
     def consider(grid):
         nonlocal best
-        # t = alpha + hops * hop + max(wire, sent * h): for each h, (alpha, hop) by least squares (>= 0).
+        # t = alpha + hops * hop + max(wire, sent * h): for each h, (alpha, hop) >= 0 (_fixed_costs).
         for h in grid:
             rest = t - np.maximum(wire, sent * h)
-            coef = np.clip(np.linalg.lstsq(design, rest, rcond=None)[0], 0.0, None)
-            err = float(np.sum((rest - design @ coef) ** 2))
+            coef = _fixed_costs(design, rest)
+            err = float(np.sum(np.abs(rest - design @ coef)))
             if err < best[0]:
                 best = (err, (float(coef[0]), float(coef[1]) if several_sizes else 0.0), float(h))
 
@@ -327,9 +339,11 @@ class Prediction:
     buckets: list[dict]  # per bucket: bytes, ready, start, end (seconds from forward start)
 
     def summary(self) -> str:
-        return (f"step {self.step_s * 1e3:.1f} ms (iteration {self.iteration_s * 1e3:.1f} ms: backward "
-                f"{self.backward_s * 1e3:.1f} ms, exposed communication {self.exposed_comm_s * 1e3:.1f} ms, overlap "
-                f"ratio {self.overlap_ratio:.2f}, {_count(len(self.buckets), 'bucket')})")
+        """The step (one whole training iteration, what the experiments time), then its DDP part."""
+        return (f"step {self.step_s * 1e3:.1f} ms (forward start to reduced gradients {self.iteration_s * 1e3:.1f} ms: "
+                f"backward {self.backward_s * 1e3:.1f} ms, exposed communication {self.exposed_comm_s * 1e3:.1f} ms, "
+                f"overlap ratio {self.overlap_ratio:.2f}, {_count(len(self.buckets), 'bucket')}; the rest of the "
+                f"step -- optimizer, data -- {(self.step_s - self.iteration_s) * 1e3:.1f} ms)")
 
 
 def simulate(trace: Trace, model: "Model | LinkModel", *, world: int | None = None, rate_bps: float | None = None,
@@ -462,8 +476,9 @@ def _check_options(ns) -> None:
                 "trace's own world size")
     for flag, cap in (("--bucket-cap", ns.bucket_cap), ("--first-bucket-cap", ns.first_bucket_cap)):
         if cap is not None and not cap > 0:
-            _refuse(f"{flag} {cap:g} is not a bucket size", f"pass megabytes > 0, e.g. {flag} 4 (inf: one bucket), "
-                    "or leave it out for the trace's own buckets")
+            _refuse(f"{flag} {cap:g} is not a bucket size", f"pass megabytes > 0, e.g. {flag} 4 (inf: no cap; as "
+                    "in DDP the first bucket is capped apart, at min(1, --bucket-cap) MB unless --first-bucket-cap "
+                    "says otherwise: both inf for one bucket), or leave it out for the trace's own buckets")
     if not 0 < ns.compression <= 1:
         _refuse(f"--compression {ns.compression:g} is not a fraction of the bytes sent", "pass 0 < c <= 1: 0.5 for "
                 "fp16/bf16 hooks, 1 (the default) for none")
@@ -478,6 +493,10 @@ def _check_options(ns) -> None:
                 "leave it out to fit it")
 
 
+ALPHA_NOTE_S = 5e-3
+"""A fitted alpha above this (and above half a measured all-reduce) is noted as the machine's, not the link's."""
+
+
 def _note_fit(result: str, link: LinkModel, samples) -> None:
     """What the fit could not know, on stderr: all-reduces quicker than the trace's link allows (their bytes
     did not all cross it at its rate: a token bucket's burst, or traffic that stayed on the host), and a
@@ -488,6 +507,14 @@ def _note_fit(result: str, link: LinkModel, samples) -> None:
               f"{_rate_text(link.rate_bps)} link (median over {_count(len(wire), 'bucket')}): they did not all "
               "cross it at that rate (a bucket smaller than the link's burst, or traffic that stayed on the host), "
               "so the link model under-counts the wire; measure with larger buckets or a faster link",
+              file=sys.stderr)
+    took = float(np.median([t for *_, t in samples])) if samples else 0.0
+    if link.alpha_s > ALPHA_NOTE_S and link.alpha_s > 0.5 * took:
+        print(f"portddp simulate: note: the fitted fixed cost per all-reduce, alpha {_duration_text(link.alpha_s)}, "
+              f"is {link.alpha_s / took * 100:.0f} % of {result}'s median all-reduce ({_duration_text(took)}) and far "
+              "above a LAN's (tens of microseconds to ~2 ms): time its all-reduces spent beyond the wire -- a busy "
+              "machine's, most often -- which no faster --link and no --compute-scale shortens, so predictions at "
+              "faster links are upper bounds. Measure on a quiet machine (more rounds: -- --rounds 8)",
               file=sys.stderr)
     if not link.separable:
         sizes = sorted({b for b, *_ in samples})
@@ -516,9 +543,10 @@ def main(argv=None) -> int:
                         "its '(no overlap)' row, when the result has one, is read for the fit")
     parser.add_argument("--world", type=int, default=None, help="ranks (default: the trace's)")
     parser.add_argument("--link", default=None, help="link rate, e.g. 10gbit (default: the trace's)")
-    parser.add_argument("--bucket-cap", type=float, default=None, help="bucket cap in MB (re-planned)")
+    parser.add_argument("--bucket-cap", type=float, default=None, help="bucket cap in MB (re-planned; inf: no cap)")
     parser.add_argument("--first-bucket-cap", type=float, default=None,
-                        help="first bucket's cap in MB (re-planned; default: min(1, bucket cap))")
+                        help="first bucket's cap in MB (re-planned; default: min(1, bucket cap), as DDP's; "
+                        "with --bucket-cap inf, inf for one bucket)")
     parser.add_argument("--no-overlap", action="store_true", help="reduce every bucket after backward")
     parser.add_argument("--compression", type=float, default=1.0, help="0.5 for fp16/bf16 hooks")
     parser.add_argument("--no-sync-every", type=int, default=1,
@@ -604,13 +632,20 @@ def main(argv=None) -> int:
     print(f"trace: {ns.impl} from {ns.result} ({_count(world, 'rank')}, link "
           f"{_rate_text(trace_rate) if crossed else 'loopback'}): measured step "
           f"{measured * 1e3:.1f} ms, replayed {own * 1e3:.1f} ms ({(own / measured - 1) * 100:+.1f} %)")
-    print(f"link model: alpha {link.alpha_s * 1e6:.1f} us per all-reduce, {link.hop_s * 1e6:.1f} us per ring step, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
+    print(f"link model: alpha {_duration_text(link.alpha_s)} per all-reduce, {_duration_text(link.hop_s)} per ring "
+          f"step, host {link.host_s_per_byte * 1e9:.3f} ns/byte "
           + (f"(host-bound at {8 / link.host_s_per_byte / 1e9:.2f} Gbit/s)" if link.host_s_per_byte else
-             "(wire-bound)") + f"; contention: compute x(1 + {model.kappa:.2f} f), communication beside compute "
-          f"x{1 + model.kappa_comm:.2f}")
-    print(f"prediction at {_count(world_to, 'rank')}, link {_rate_text(rate)}: {p.summary()} (fitted and "
-          f"replayed in {took * 1e3:.0f} ms)")
+             "(wire-bound)" if crossed else "(loopback: no wire, all of it fixed cost)")
+          + f"; contention: compute x(1 + {model.kappa:.2f} f), communication beside compute x{1 + model.kappa_comm:.2f}")
+    where_to = _rate_text(rate) if rate or crossed or ns.link else "loopback, as measured"
+    print(f"prediction at {_count(world_to, 'rank')}, link {where_to}: {p.summary()}; x{p.step_s / own:.2f} the "
+          f"step replayed at the trace's own point ({own * 1e3:.1f} ms; fitted and replayed in {took * 1e3:.0f} ms)")
     return 0
+
+
+def _duration_text(seconds: float) -> str:
+    """A fitted time in the unit that reads best: '850.0 us', '30.82 ms'."""
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
 if __name__ == "__main__":
