@@ -32,9 +32,28 @@ from portddp.watchdog import env_seconds
 __all__ = ["World", "detect", "init", "world", "mpi_comm", "allgather_object", "export_torchrun_env",
            "DEFAULT_TIMEOUT_S"]
 
-DEFAULT_TIMEOUT_S = env_seconds("PORTDDP_TIMEOUT_S", 300)
-"""Collective timeout (seconds) for c10d; override with init(timeout_s=...) or
-the PORTDDP_TIMEOUT_S environment variable."""
+DEFAULT_TIMEOUT_S = 300.0
+"""Collective timeout (seconds) for c10d where neither init(timeout_s=...) nor the
+PORTDDP_TIMEOUT_S environment variable sets one (read by init, not at import: a bad
+value on one rank then stops every rank instead of leaving them waiting for it)."""
+
+
+def _timeout_from_env() -> float:
+    return env_seconds("PORTDDP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+
+
+def _agree(obj, problem: str | None, name: str | None) -> list:
+    """Every rank's `obj` (allgather_object; name None: MPI's own allgather, not counted among the
+    collectives the stall inspector numbers), with this rank's `problem` (a setting it could not
+    read, or None) beside it: if any rank has one, every rank raises it, naming the rank -- a rank
+    raising alone would leave the others waiting in this collective, and itself in MPI_Finalize's."""
+    got = (allgather_object((obj, problem), name=name) if name is not None
+           else allgather_pickled(mpi_comm(), (obj, problem)))
+    bad = [(r, p) for r, (_, p) in enumerate(got) if p is not None]
+    if bad:
+        raise ValueError("; ".join(f"rank {r}: {p}" for r, p in bad)
+                         + (" (every rank stops: fix it where it is set)" if len(got) > 1 else ""))
+    return [o for o, _ in got]
 
 # Rank variables set by the MPI launchers we know (MPICH/Hydra, Open MPI, Slurm's PMI).
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
@@ -369,10 +388,19 @@ def init(
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
     _pin_threads(w, num_threads)
-    export_torchrun_env(rendezvous=w.size > 1)
-    timeout_s = timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S
-    if not (isinstance(timeout_s, int | float) and timeout_s > 0):
+    problem = None
+    if timeout_s is None:
+        try:
+            timeout_s = _timeout_from_env()
+        except ValueError as e:
+            problem, timeout_s = str(e), DEFAULT_TIMEOUT_S
+    elif not (isinstance(timeout_s, int | float) and timeout_s > 0):
         raise ValueError(f"portddp.init(timeout_s={timeout_s!r}): pass the collective timeout in seconds, a number > 0")
+    if w.launcher == "mpirun" and w.size > 1:  # (under torchrun its agent stops the others when one rank fails)
+        _agree(None, problem, None)
+    elif problem is not None:
+        raise ValueError(problem)
+    export_torchrun_env(rendezvous=w.size > 1)
     if torch_distributed:
         _init_c10d(w, backend or "gloo", timeout_s)
     _WORLD = w
@@ -412,7 +440,7 @@ def _scripts_timeout_s(dist) -> float:
     group's timeout, else PyTorch's default (30 minutes) -- as native DDP would wait, so that
     legitimate work on one rank (an evaluation or a checkpoint on rank 0 only) is not cut short."""
     if "PORTDDP_TIMEOUT_S" in os.environ:
-        return env_seconds("PORTDDP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+        return _timeout_from_env()
     if dist is not None:
         import torch  # noqa: PLC0415
 
@@ -538,8 +566,11 @@ def unpack_named(got: list, name: str | None, rank: int) -> list:
         if len({"watchdog addresses" in str(n) for n in names}) > 1:
             fix = "the watchdog is on for some ranks only: set PORTDDP_WATCHDOG, and portddp.init(watchdog=...), " \
                   "alike on every rank"
+        from portddp.watchdog import desync_hint  # noqa: PLC0415
+
+        hint = desync_hint(set(map(str, names)))  # (what usually causes this pair: then instead of the generic fix)
         raise RuntimeError(f"the ranks met in different collectives -- {where} (this is rank {rank}). Every rank "
-                           f"must make the same calls in the same order ({fix})")
+                           "must make the same calls in the same order" + (hint or f" ({fix})"))
     return [o for _, o in pairs]
 
 
@@ -549,16 +580,29 @@ def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAUL
     global _WATCHDOG
     from portddp import watchdog  # noqa: PLC0415
 
-    if _WATCHDOG is not None or not watchdog.enabled():
+    if _WATCHDOG is not None:
         return
     if w.launcher != "mpirun" and not torch_distributed:
         return  # no channel to exchange addresses on before any collective
-    server, me = watchdog.listen("127.0.0.1" if _one_host(w) else (_reachable_address() or "127.0.0.1"))
-    peers = allgather_object(me, name=f"{by}: watchdog addresses")
+    # Its settings first: a bad one on any rank travels in the address exchange and stops every rank.
+    try:
+        if not watchdog.enabled():
+            return
+        config, problem = watchdog.settings(stall_s=0.8 * timeout_s), None
+    except ValueError as e:
+        config, problem = None, str(e)
+    server, me = (watchdog.listen("127.0.0.1" if _one_host(w) else (_reachable_address() or "127.0.0.1"))
+                  if problem is None else (None, None))
+    try:
+        peers = _agree(me, problem, f"{by}: watchdog addresses")
+    except ValueError:
+        if server is not None:
+            server.close()
+        raise
     if w.launcher == "mpirun":  # every rank is past MPI_Init, attached to MPICH's segment: its name can go
         watchdog.unlink_mpi_shared_memory()
     try:
-        _WATCHDOG = watchdog.start(w.rank, server, peers, stall_s=0.8 * timeout_s)
+        _WATCHDOG = watchdog.start(w.rank, server, peers, config)
     except OSError as e:  # every rank ends up here (a peer it waits for never connects): run without it
         import warnings  # noqa: PLC0415
 

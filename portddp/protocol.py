@@ -108,6 +108,7 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
             if tuple(a) != tuple(b):
                 if a[0] != b[0]:
                     _refuse_frozen_on_some_ranks(what, items, ref, theirs, r, known, guess=True)
+                    _refuse_other_names(what, items, ref, theirs, r)
                 raise ValueError(
                     f"{what}: {item} #{k} is {_show(a)} on rank 0 but {_show(b)} on rank {r}; every rank must "
                     "build the same model before wrapping it"
@@ -120,6 +121,18 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
                 f"{r_long} has is {_name(longer[min(len(ref), len(theirs))][0])}. Every rank must build the same "
                 "model before wrapping it"
             )
+
+
+def _refuse_other_names(what: str, items: str, ref, theirs, r: int) -> None:
+    """Raise, naming them, when rank r's entries and rank 0's are not the same names (an extra layer on
+    one rank: its leaf paired by position with another name read as a rename)."""
+    ours, others = [s[0] for s in ref], [s[0] for s in theirs]
+    only_ref = [n for n in ours if n not in set(others)]
+    only_theirs = [n for n in others if n not in set(ours)]
+    if only_ref or only_theirs:
+        raise ValueError(f"{what}: rank 0 and rank {r} have different {items}: {_names(only_ref)} only on rank 0, "
+                         f"{_names(only_theirs)} only on rank {r}. Every rank must build the same model before "
+                         "wrapping it")
 
 
 def _refuse_frozen_on_some_ranks(what: str, items: str, ref, theirs, r: int, frozen, guess: bool) -> None:
@@ -230,7 +243,7 @@ construction, portddp.jax's ddp.broadcast(): one collective in a mixed job)."""
 
 REPLAN_CHECK = "model check after a re-plan (a parameter's dtype, device or shape changed)"
 """(portddp.torch) The check at the forward after `.to()`/`.double()`/`p.data = ...` re-planned the buckets:
-met by a rank alone when only that rank made the change (the stall report says so: watchdog._desync_hint)."""
+met by a rank alone when only that rank made the change (the stall report and the collectives check say so: watchdog.desync_hint)."""
 
 
 SHADOW = 0  # the step slot of a rank that shadows the others in join(): not compared

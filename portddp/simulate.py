@@ -62,7 +62,7 @@ def why_not_replayable(row: dict) -> str | None:
     """Why an experiment row cannot be replayed bucket by bucket (None: it can). Only portddp's own
     DDPs record per-bucket events (harness/adapter.py, events())."""
     ev = row.get("events")
-    if ev and ev.get("forward_end_ns") and ev.get("buckets"):
+    if isinstance(ev, dict) and ev.get("forward_end_ns") and ev.get("buckets"):
         return None
     impl = str(row.get("impl") or row.get("label"))
     if impl == "native":
@@ -561,6 +561,9 @@ def main(argv=None) -> int:
     # A cluster of one host is loopback too: its ranks met in shared memory, no byte crossed the link.
     crossed = bool(payload.get("cluster")) and payload["cluster"].get("hosts", 2) > 1
     trace_rate = payload["cluster"].get("rate_bps") if crossed else None
+    if not all(isinstance(r, dict) and isinstance(r.get("label"), str) for r in payload["rows"]):
+        _refuse(f"{ns.result} holds rows that are not the overlap experiment's (each a dict with a 'label')",
+                _result_fix(Path(ns.result).parent))
     rows = {r["label"]: r for r in payload["rows"]}
     # (an implementation's "(no overlap)" row is its fit's other half, not a row to replay by itself)
     replayable = [label for label, r in rows.items() if why_not_replayable(r) is None and not label.endswith(_OFF)]
@@ -580,9 +583,14 @@ def main(argv=None) -> int:
                 f"about the link, so it cannot predict --world {ns.world}", "pass the result of a run with 2 ranks "
                 "or more (e.g. portddp run overlap -n 2 --hosts 2 --link 1gbit)")
     t0 = time.perf_counter()
-    on = Trace.from_row(rows[ns.impl], world)
-    off_row = rows.get(ns.impl + _OFF)
-    off = Trace.from_row(off_row, world) if off_row and why_not_replayable(off_row) is None else on
+    try:  # (a result edited by hand, or written by something else, gets one line, not a traceback)
+        on = Trace.from_row(rows[ns.impl], world)
+        off_row = rows.get(ns.impl + _OFF)
+        off = Trace.from_row(off_row, world) if off_row and why_not_replayable(off_row) is None else on
+        measured = float(rows[ns.impl]["median_s"])
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+        _refuse(f"{ns.result}'s row {ns.impl!r} is not as the overlap experiment writes it ({type(e).__name__}: {e})",
+                "pass a result as the experiment wrote it, or rerun the experiment")
     if off.plan is None and (ns.bucket_cap is not None or ns.first_bucket_cap is not None):
         flag = "--bucket-cap" if ns.bucket_cap is not None else "--first-bucket-cap"
         _refuse(f"{flag} {ns.bucket_cap if ns.bucket_cap is not None else ns.first_bucket_cap:g} needs the "
@@ -605,7 +613,6 @@ def main(argv=None) -> int:
     took = time.perf_counter() - t0
     # The measured point itself, replayed: how far the model is from its own trace (a noisy trace --
     # a shared machine, few rounds -- shows here, before any extrapolation is trusted).
-    measured = rows[ns.impl]["median_s"]
     own = simulate(off, model, world=world, rate_bps=trace_rate).step_s
     if not ns.no_overlap and measured > 0 and abs(own / measured - 1) > 0.10:
         print(f"portddp simulate: warning: replayed at its own point ({_count(world, 'rank')}, link "

@@ -240,7 +240,7 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
         parts = [f"'{n}' on {ranks(rs)}" for n, rs in sorted(by_name.items(), key=lambda kv: min(kv[1]))]
         head += (f"the ranks issued different collectives: collective #{k} is " + " but ".join(parts) +
                  ". Every rank must issue the same collectives in the same order (the same calls, on every rank)"
-                 + _desync_hint(set(by_name)))
+                 + desync_hint(set(by_name)))
     elif behind:
         head += (f"{ranks(behind)} {'is' if len(behind) == 1 else 'are'} behind: " + "; ".join(
             f"rank {r}'s last collective is {coll(r)} and it has been computing for {live[r]['idle']:.1f} s since"
@@ -278,8 +278,9 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
     return "\n".join([head, *table])
 
 
-def _desync_hint(names: set[str]) -> str:
-    """What usually makes ranks issue these different collectives, for the stall report."""
+def desync_hint(names: set[str]) -> str:
+    """What usually makes ranks issue these different collectives ("; ..." or ""), for the stall report
+    and for launch.unpack_named's error."""
     def has(what: str) -> bool:
         return any(what in n for n in names)
 
@@ -388,7 +389,7 @@ def deferred_interrupt():
 
 class Watchdog:
     def __init__(self, rank: int, server: socket.socket, peers: list[tuple], interval_s: float,
-                 connect_timeout_s: float = 60.0, stall_s: float = 0.0):
+                 connect_timeout_s: float = 60.0, stall_s: float = 0.0, grace_s: float = 5.0):
         self.rank, self.peers, self.interval_s, self.stall_s = rank, peers, interval_s, stall_s
         self.parent = os.getppid()
         self.socks: dict[int, socket.socket] = {}
@@ -423,7 +424,7 @@ class Watchdog:
         self._departed: dict[int, tuple[int, int | None, str]] = {}
         self._departed_at: dict[int, float] = {}
         self._subgroups = False  # DDPs over process subgroups: departures are judged by the stall inspector
-        self._grace_s = env_seconds("PORTDDP_EARLY_EXIT_GRACE_S", 5.0, zero_means="a rank that left is named at once")
+        self._grace_s = grace_s
         # The stall inspector: the inspection under way (answers by rank, deadline), the wait already
         # reported (its start time), and when to inspect alone if the inspecting rank stays silent.
         self._inspection: dict | None = None
@@ -854,17 +855,24 @@ def env_seconds(name: str, default: float, *, zero_means: str | None = None) -> 
     return env.number(name, default, unit="seconds", zero_means=zero_means, infinite=True)
 
 
-def start(rank: int, server: socket.socket, peers: list[tuple], interval_s: float | None = None,
-          stall_s: float | None = None) -> Watchdog:
-    """Connect to every rank in `peers` ((address, port, hostname, pid) each, in rank order, from
-    `listen`) and watch them. `stall_s`: PORTDDP_STALL_S, else 80 % of PORTDDP_TIMEOUT_S (300 s)."""
-    if interval_s is None:
-        interval_s = env_seconds("PORTDDP_WATCHDOG_S", 0.25)
+def settings(stall_s: float | None = None) -> dict:
+    """The watchdog's settings from the environment, each checked (ValueError naming a bad one): read
+    before the ranks exchange their addresses, so that a bad value on one rank travels in that
+    exchange and stops every rank (launch._start_watchdog) -- raised after it, it left the others
+    waiting for a watchdog that never connected. `stall_s`: the default for PORTDDP_STALL_S (else
+    80 % of PORTDDP_TIMEOUT_S, 300 s)."""
     if stall_s is None:
         stall_s = 0.8 * env_seconds("PORTDDP_TIMEOUT_S", 300)
-    stall_s = env_seconds("PORTDDP_STALL_S", stall_s, zero_means="the stall inspector off")
+    return {"interval_s": env_seconds("PORTDDP_WATCHDOG_S", 0.25),
+            "stall_s": env_seconds("PORTDDP_STALL_S", stall_s, zero_means="the stall inspector off"),
+            "grace_s": env_seconds("PORTDDP_EARLY_EXIT_GRACE_S", 5.0, zero_means="a rank that left is named at once")}
+
+
+def start(rank: int, server: socket.socket, peers: list[tuple], config: dict | None = None) -> Watchdog:
+    """Connect to every rank in `peers` ((address, port, hostname, pid) each, in rank order, from
+    `listen`) and watch them, with `config` from `settings()` (read now when None)."""
     global _ACTIVE
-    _ACTIVE = Watchdog(rank, server, peers, interval_s, stall_s=stall_s)
+    _ACTIVE = Watchdog(rank, server, peers, **(config or settings()))
     return _ACTIVE
 
 

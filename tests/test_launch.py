@@ -203,6 +203,52 @@ def test_time_settings_in_the_environment_are_checked_naming_the_variable(monkey
     assert env_seconds(name, 300) == 300
 
 
+@pytest.mark.parametrize("name,value,how", [("PORTDDP_TIMEOUT_S", "abc", "init"), ("PORTDDP_STALL_S", "abc", "init"),
+                                            ("PORTDDP_WATCHDOG_S", "0", "ddp"),
+                                            ("PORTDDP_EARLY_EXIT_GRACE_S", "-1", "ddp")])
+def test_a_bad_setting_on_one_rank_stops_every_rank_naming_it(name, value, how):
+    """(An audit: PORTDDP_STALL_S=abc on rank 1 alone -- rank 1 raised after the watchdog's address exchange,
+    rank 0 waited for its connection and then in c10d for ever, past 420 s; PORTDDP_TIMEOUT_S=abc raised while
+    portddp was imported, the others waited likewise.) Checked before the first exchange, carried in it."""
+    code = ("import portddp, torch\n"
+            + ("portddp.init()\n" if how == "init" else "")
+            + "from portddp.torch import DistributedDataParallel as DDP\n"
+              "DDP(torch.nn.Linear(2, 2), transport='mpi')\nprint('BUILT', flush=True)\n")
+    proc = subprocess.run([mpi.mpirun_path(), "-n", "1", sys.executable, "-c", code, ":", "-n", "1", "-env", name, value,
+                           sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=mpi.ROOT)
+    assert proc.returncode != 0 and "BUILT" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    said = re.findall(rf"ValueError: rank 1: {name}='{re.escape(value)}': set it to a number of seconds.*every rank "
+                      r"stops: fix it where it is set", proc.stderr)
+    assert len(said) == 2, proc.stderr[-3000:]  # rank 0's and rank 1's
+
+
+def test_transport_mpi_in_a_c10d_group_made_by_spawn_is_refused_on_every_rank(tmp_path):
+    """The DDP tutorial's torch.multiprocessing.spawn script with PORTDDP_TRANSPORT=mpi: each child was an MPI
+    world of one, and the ranks trained apart, exit 0 (an audit). Refused, naming the fix, in every child."""
+    script = tmp_path / "spawned.py"
+    script.write_text(
+        "import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp\n"
+        "from portddp.torch import DistributedDataParallel as DDP\n"
+        "def child(rank, port):\n"
+        "    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2)\n"
+        "    try:\n"
+        "        DDP(torch.nn.Linear(2, 2), transport='mpi')\n"
+        "        os.write(1, f'BUILT {rank}\\n'.encode())\n"
+        "    except ValueError as e:\n"
+        "        os.write(1, f'REFUSED {rank} {e}\\n'.encode())  # (one write: the children share stdout)\n"
+        "    dist.destroy_process_group()\n"
+        "if __name__ == '__main__':\n"
+        "    mp.spawn(child, args=(int(sys.argv[1]),), nprocs=2)\n")
+    from portddp.launch import _free_port  # noqa: PLC0415
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PORTDDP_", "RANK", "WORLD_SIZE"))}
+    proc = subprocess.run([sys.executable, str(script), str(_free_port())], capture_output=True, text=True,
+                          timeout=120, cwd=mpi.ROOT, env=env)
+    refused = re.findall(r"REFUSED (\d) transport='mpi' needs MPI ranks, and this process is rank \1 of a c10d group "
+                         r"of 2 made without mpirun \(torch\.multiprocessing\.spawn.*use transport='c10d'", proc.stdout)
+    assert sorted(refused) == ["0", "1"] and "BUILT" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 def test_processes_a_rank_starts_are_no_ranks():
     """DataLoader workers started with "spawn" / "forkserver" and a helper subprocess import
     portddp.torch again under mpirun's inherited variables: they must not run MPI_Init (which

@@ -87,9 +87,19 @@ def test_spec_dtype_difference():
 def test_jax_key_paths_are_shown_as_they_are():
     ours = [("['enc']['w']", (3,), "float32")]
     theirs = [("['dec']['w']", (3,), "float32")]
-    with pytest.raises(ValueError, match=re.escape("leaf #0 is ['enc']['w'] (3,) float32 on rank 0 but "
-                                                   "['dec']['w'] (3,) float32 on rank 1")):
+    with pytest.raises(ValueError, match=re.escape("leaves: ['enc']['w'] only on rank 0, ['dec']['w'] only on rank 1")):
         check_same_specs([ours, theirs], "parameter pytrees differ across ranks", "leaf", "leaves")
+
+
+def test_an_extra_leaf_on_one_rank_is_named_not_paired_by_position():
+    """(An audit: an extra Param on rank 1 read "leaf #0 is ['l']['bias'] on rank 0 but ['extra'] on rank 1".)"""
+    ours = [("['l']['bias'].value", (2,), "float32"), ("['l']['kernel'].value", (4, 2), "float32")]
+    theirs = [("['extra'].value", (2,), "float32"), *ours]
+    for everyone, where in (([ours, theirs], "none only on rank 0, ['extra'].value only on rank 1"),
+                            ([theirs, ours], "['extra'].value only on rank 0, none only on rank 1")):
+        with pytest.raises(ValueError, match=re.escape("parameter pytrees differ across ranks: rank 0 and rank 1 have "
+                                                       f"different leaves: {where}. Every rank must build the same")):
+            check_same_specs(everyone, "parameter pytrees differ across ranks", "leaf", "leaves")
 
 
 @pytest.mark.parametrize("short_rank", [0, 1])
@@ -105,7 +115,7 @@ def test_spec_count_difference_names_the_first_extra_entry(short_rank):
 
 def test_a_differing_entry_is_reported_before_a_differing_count():
     theirs = [("other", (4, 3), "float32")]
-    with pytest.raises(ValueError, match="#0 is '0.weight'"):
+    with pytest.raises(ValueError, match="'0.weight', '0.bias', '1.weight' only on rank 0, 'other' only on rank 1"):
         check_same_specs([SPECS, theirs], "model mismatch", "parameter", "parameters")
 
 

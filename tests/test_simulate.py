@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -316,6 +318,25 @@ def test_main_refuses_what_is_not_an_overlap_result(tmp_path, capsys):
     message = refused(capsys, str(chrome))
     assert "not an overlap-experiment result" in message
     assert f"pass the result written beside it, {tmp_path / 'overlap-n2-h2-600mbit.json'}" in message
+
+
+@pytest.mark.parametrize("edit", ["median", "buckets", "row"])
+def test_main_refuses_a_result_whose_rows_are_not_the_experiments(result, capsys, edit):
+    """(An audit: valid JSON with a string where a number or a list belongs ended in a TypeError traceback.)"""
+    import json  # noqa: PLC0415
+
+    payload = json.loads(Path(result).read_text())
+    row = next(r for r in payload["rows"] if r["label"] == "torch-c10d")
+    if edit == "median":
+        row["median_s"] = "fast"
+    elif edit == "buckets":
+        row["events"]["buckets"] = "many"
+    else:
+        payload["rows"].append("torch-mpi")
+    Path(result).write_text(json.dumps(payload))
+    message = refused(capsys, result)
+    assert (f"{result}'s row 'torch-c10d' is not as the overlap experiment writes it" in message
+            if edit != "row" else f"{result} holds rows that are not the overlap experiment's" in message), message
 
 
 @pytest.mark.parametrize("argv, names, fix", [

@@ -130,6 +130,10 @@ BAD = [
     ("sparse_gradient", TRANSPORTS, r"parameter 'weight' has a torch\.sparse_coo gradient; portddp reduces dense gradients only \(e\.g\. use nn\.Embedding\(sparse=False\)\)"),
     ("backward_twice", ("c10d",), r"gradient of '(weight|bias)' arrived outside a DDP iteration: run one backward per forward"),
     ("modified_after_wrap", ("mpi",), r"the module's trainable parameters changed after DistributedDataParallel wrapped it: 2 then, 4 now \(added: \['1\.weight', '1\.bias'\]"),
+    ("double_on_one_rank", TRANSPORTS, r"the ranks met in different collectives -- .*model check after a re-plan.*\(this is "
+                                       r"rank \d\)\. Every rank must make the same calls in the same order; a rank in "
+                                       r"'model check after a re-plan' re-planned its buckets because its parameters "
+                                       r"changed dtype, device or shape after wrapping \(\.double\(\), \.to\(\)"),
     ("replaced_after_wrap", ("c10d",), r"trainable parameters changed after DistributedDataParallel wrapped it: 2 then, 2 now \(added: none, gone: none, replaced by new Parameter objects: \['0\.weight', '0\.bias'\]\).*load into them \(assign=False"),
     ("crossed_ddps", TRANSPORTS, r"the ranks reduced different DistributedDataParallels here \(rank 0 its DistributedDataParallel #\d+, rank 1 its DistributedDataParallel #\d+, .*in the same order"),
     ("crossed_ddps_world_group", ("c10d",), r"the ranks reduced different DistributedDataParallels here \(rank 0 its DistributedDataParallel #\d+, rank 1 its DistributedDataParallel #\d+"),

@@ -318,6 +318,19 @@ class NativeInterface:
                              f"(ALLREDUCE or FP16_COMPRESS), not {comm_hook_type!r}")
         self.register_comm_hook(self.process_group, hooks[comm_hook_type])  # (native's: the reducer's group)
 
+    def _register_fused_optim(self, optim, *args, optim_params=None, **kwargs) -> None:
+        """Native's private "optimizer in backward": each bucket's parameters are stepped by `optim`'s
+        functional form as soon as the bucket is reduced, inside the comm hook (the script then calls
+        no optimizer.step()). PyTorch's own overlapped-optimizer wrapper does the registering, through
+        this DDP's `register_comm_hook`, as for native."""
+        from torch.distributed.algorithms._optimizer_overlap import _as_overlapped_optim  # noqa: PLC0415
+
+        try:
+            _as_overlapped_optim(optim, optim_params, *args, **kwargs).register_ddp(self)
+        except NotImplementedError as e:  # (native's words)
+            raise RuntimeError(f"{optim} does not support overlapped DDP. Please file an issue to PyTorch or the "
+                               f"respective owner of {optim}.") from e
+
     def _set_static_graph(self) -> None:
         """Native's private switch for static_graph=True (some trainers call it after wrapping)."""
         if self.static_graph:
@@ -421,6 +434,14 @@ class NativeInterface:
         if not any(self._seen):
             return
         pending = [self._names[i] for i, seen in enumerate(self._seen) if not seen]
+        if not pending:  # every gradient arrived, and the reduction never finished
+            raise RuntimeError(
+                f"Expected to have finished reduction in the prior iteration before starting a new one: rank "
+                f"{self.rank}'s last backward produced every gradient, but its reduction did not finish -- an "
+                "exception during that backward (in a comm hook, a gradient hook or autograd) that the script caught "
+                "and went on after? The ranks' gradients then differ: a DDP cannot go on after a failed backward; let "
+                "the exception end the job (or rebuild the model and the DDP on every rank)"
+            )
         raise RuntimeError(
             f"Expected to have finished reduction in the prior iteration before starting a new one: rank "
             f"{self.rank}'s last backward ended before every parameter's gradient had arrived. Parameters still "

@@ -132,6 +132,12 @@ def run(case: str, transport: str) -> None:
         ddp = DistributedDataParallel(model, transport=transport)
         model.append(nn.Linear(4, 2))
         ddp(torch.randn(2, 4))
+    elif case == "double_on_one_rank":  # (an audit: the ranks were told only of "different collectives")
+        model = nn.Sequential(nn.Linear(4, 4))
+        ddp = DistributedDataParallel(model, transport=transport)
+        if w.rank == 1:
+            model.double()
+        ddp(torch.randn(2, 4, dtype=model[0].weight.dtype))
     elif case == "replaced_after_wrap":  # same names and shapes, new objects: native leaves their gradients unreduced
         model = nn.Sequential(nn.Linear(4, 4))
         ddp = DistributedDataParallel(model, transport=transport)

@@ -302,6 +302,23 @@ def builtin_hooks(transport):
         compare(f"builtin_{kind.lower()}", transport, native, ours, sgd_steps(4))
 
 
+def fused_optim(transport):
+    """Native's private _register_fused_optim (an optimizer stepped in the comm hook, per bucket; the script
+    calls no optimizer.step()): all parameters with SGD, and a subset with Adam (optim_params)."""
+    for optim, kw, subset in ((torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, False), (torch.optim.Adam, {"lr": 1e-2},
+                                                                                       True)):
+        native, ours = pair(transport, ddp_kw={"bucket_cap_mb": 0.01})
+        for ddp in (native, ours):
+            ddp._register_fused_optim(optim, optim_params=list(ddp.parameters())[:2] if subset else None, **kw)
+
+        def train(ddp):
+            for step in range(4):
+                loss_of(ddp, step, dist.get_rank()).backward()
+                ddp.zero_grad(set_to_none=True)
+
+        compare(f"fused_{optim.__name__.lower()}", transport, native, ours, train)
+
+
 def buffer_sync(transport):
     """Every combination of no_sync, broadcast_buffers, train()/eval() and find_unused_parameters
     on a BatchNorm model: buffers and parameters bitwise as native's."""
@@ -880,7 +897,7 @@ SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, un
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
-             static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward]
+             static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward, fused_optim]
 
 
 def main():
