@@ -671,8 +671,10 @@ def _section(title: str, payloads: list[dict], make, each: bool = False) -> tupl
 
 
 def _no_results(results: Path, problems: list[str]) -> NoReturn:
-    skipped = "".join(f"\n  skipped {p}" for p in problems)
-    raise SystemExit(f"no results under {results}: run the experiments first (see README){skipped}")
+    if problems:  # (files were there, none readable: say that, not "run the experiments first")
+        raise SystemExit(f"no readable results under {results}:" + "".join(f"\n  skipped {p}" for p in problems)
+                         + "\nrerun the experiments that wrote them (see README), or pass another --results")
+    raise SystemExit(f"no results under {results}: run the experiments first (see README)")
 
 
 def build(results: Path, out: Path, prog: str = "python -m comparisons.report") -> Path:

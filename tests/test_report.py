@@ -68,7 +68,7 @@ def test_report_names_foreign_and_missing_results(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     proc = mpi.run(None, "comparisons.report", "--results", str(tmp_path), "--out", str(tmp_path / "rep"))
     assert proc.returncode != 0
-    assert "no results under" in proc.stderr
+    assert "no readable results under" in proc.stderr and "rerun the experiments that wrote them" in proc.stderr
     assert "overlap-n2.json: written by portddp 0.0.1" in proc.stderr and "broken.json: unreadable" in proc.stderr
     assert not (tmp_path / "rep").exists()  # no empty report folder left behind
 
