@@ -284,6 +284,7 @@ class Cluster:
         self.uplinks = [f"{PREFIX}{self.job}v{h}" for h in range(self.hosts)]
         self._made = False
         self.setup_s = self.teardown_s = None
+        self.job_segments: set[str] = set()  # MPICH's /dev/shm segments this job's ranks mapped (note_job_segments)
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> "Cluster":
@@ -339,6 +340,7 @@ class Cluster:
             return
         t0 = time.perf_counter()
         with _signals_held():
+            self.note_job_segments()
             for ns in self.names:
                 _kill_inside(ns)
                 _run("ip", "netns", "del", ns, check=False)
@@ -347,6 +349,13 @@ class Cluster:
                 _run("ip", "link", "del", link, check=False)
             self._made = False
         self.teardown_s = time.perf_counter() - t0
+
+    def note_job_segments(self) -> None:
+        """Remember the MPICH segments the processes on the hosts map now: the job's own, which only
+        MPI_Finalize unlinks -- a job stopped before it leaves them in /dev/shm (the hosts share it)."""
+        for ns in self.names:
+            for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                self.job_segments |= _mapped_segments([Path(f"/proc/{pid}/maps")])
 
     # ------------------------------------------------------------------ running
     def exec_prefix(self, host: int) -> list[str]:
@@ -468,7 +477,7 @@ def run(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool = Fal
 def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool) -> int:
     say = (lambda *a: None) if quiet else (lambda msg: print(f"portddp cluster: {msg}", file=sys.stderr, flush=True))
     # The launcher's pid in the directory's name: after a kill -9, the next start removes it (cleanup_stale).
-    made, segments = [], set()
+    made = []
     try:
         with tempfile.TemporaryDirectory(prefix=f"{LAUNCHER_DIR}{os.getpid()}-") as tmp, \
                 Cluster(hosts, link) as cluster:
@@ -477,12 +486,12 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
                 f"link {cluster.link} per direction, {n // hosts} rank(s) per host (set up in {cluster.setup_s:.2f} "
                 "s)")
             before = cluster.interface_bytes()
-            segments = _mpich_segments()
             argv = cluster.mpirun(n, list(command), tmp)
             proc = subprocess.Popen(argv, env={**os.environ, **cluster.env()}, start_new_session=True)
             try:
                 code = proc.wait()
             except BaseException as e:  # Ctrl-C, SIGTERM (see main): stop the job, then clean up
+                cluster.note_job_segments()  # (before the ranks go: which MPICH segments are this job's)
                 # (the job is in a session of its own: it hears of a Ctrl-C as a Ctrl-C, from here)
                 first = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
                 for stop, wait_s in ((first, 5), (signal.SIGTERM, 5), (signal.SIGKILL, None)):
@@ -498,7 +507,7 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
                     f"{(a['rx_bytes'] - b['rx_bytes']) / 1e6:.1f} MB")
     finally:
         if made and made[0].teardown_s is not None:  # (also when interrupted: namespaces, links, job gone)
-            left = _remove_unmapped_segments(_mpich_segments() - segments)
+            left = _remove_unmapped_segments(made[0].job_segments)
             say(f"removed (teardown {made[0].teardown_s:.2f} s" + (
                 f"; and the {len(left)} shared-memory segment(s) MPICH left in /dev/shm, its ranks stopped before "
                 f"MPI_Finalize: {', '.join(left)}" if left else "") + ")")
@@ -508,27 +517,32 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
 _SHM = Path("/dev/shm")
 
 
-def _mpich_segments() -> set[str]:
-    """The names of MPICH's shared-memory segments in /dev/shm (every job's: the hosts share it)."""
-    with contextlib.suppress(OSError):
-        return {p.name for p in _SHM.glob("mpich_*")}
-    return set()
+def _mapped_segments(maps_files) -> set[str]:
+    """The names of the MPICH segments (/dev/shm/mpich_*) that the processes of these /proc/<pid>/maps
+    files map (one unreadable -- gone meanwhile, or not ours to read -- counts as mapping none)."""
+    mapped = set()
+    for maps in maps_files:
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        mapped.update(line.rsplit("/", 1)[-1].removesuffix(" (deleted)").strip()
+                      for line in text.splitlines() if "/dev/shm/mpich_" in line)
+    return mapped
 
 
 def _remove_unmapped_segments(names: set[str]) -> list[str]:
-    """Of `names` (segments that appeared while this job ran), remove those no process maps any more --
-    what this job's ranks left when stopped before MPI_Finalize (MPICH unlinks them only there; a
-    rank's portddp.init does it early, a user's own MPI script does not). A segment some live process
-    maps (another job's, started meanwhile) is left alone. Returns the removed names."""
+    """Remove the segments `names` (a job's own, note_job_segments) once no process maps them any more
+    (the job's ranks, SIGKILLed by the teardown, may take a moment to go); returns the removed names.
+    MPICH unlinks them in MPI_Finalize only; a rank's portddp.init does it early, a user's own MPI
+    script does not."""
     if not names:
         return []
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            mapped.update(line.rsplit("/", 1)[-1].removesuffix(" (deleted)").strip()
-                          for line in maps.read_text().splitlines() if "/dev/shm/mpich_" in line)
+    deadline = time.monotonic() + 2.0
+    while names & _mapped_segments(Path("/proc").glob("[0-9]*/maps")) and time.monotonic() < deadline:
+        time.sleep(0.1)
     removed = []
-    for name in sorted(names - mapped):
+    for name in sorted(names - _mapped_segments(Path("/proc").glob("[0-9]*/maps"))):
         with contextlib.suppress(OSError):
             (_SHM / name).unlink()
             removed.append(name)

@@ -42,13 +42,20 @@ def _timeout_from_env() -> float:
     return env_seconds("PORTDDP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
 
 
-def _agree(obj, problem: str | None, name: str | None) -> list:
-    """Every rank's `obj` (allgather_object; name None: MPI's own allgather, not counted among the
-    collectives the stall inspector numbers), with this rank's `problem` (a setting it could not
-    read, or None) beside it: if any rank has one, every rank raises it, naming the rank -- a rank
-    raising alone would leave the others waiting in this collective, and itself in MPI_Finalize's."""
-    got = (allgather_object((obj, problem), name=name) if name is not None
-           else allgather_pickled(mpi_comm(), (obj, problem)))
+_INIT_SETTINGS = "portddp.init: settings"
+
+
+def _agree(obj, problem: str | None, name: str) -> list:
+    """Every rank's `obj` (allgather_object; for init's own exchange, before any DDP, an MPI allgather
+    of its own, checked by name alike but not counted among the collectives the stall inspector
+    numbers), with this rank's `problem` (a setting it could not read, or None) beside it: if any rank
+    has one, every rank raises it, naming the rank -- a rank raising alone would leave the others
+    waiting in this collective, and itself in MPI_Finalize's."""
+    if name == _INIT_SETTINGS:
+        comm = mpi_comm()
+        got = unpack_named(allgather_pickled(comm, (name, (obj, problem))), name, comm.rank)
+    else:
+        got = allgather_object((obj, problem), name=name)
     bad = [(r, p) for r, (_, p) in enumerate(got) if p is not None]
     if bad:
         raise ValueError("; ".join(f"rank {r}: {p}" for r, p in bad)
@@ -397,7 +404,7 @@ def init(
     elif not (isinstance(timeout_s, int | float) and timeout_s > 0):
         raise ValueError(f"portddp.init(timeout_s={timeout_s!r}): pass the collective timeout in seconds, a number > 0")
     if w.launcher == "mpirun" and w.size > 1:  # (under torchrun its agent stops the others when one rank fails)
-        _agree(None, problem, None)
+        _agree(None, problem, _INIT_SETTINGS)
     elif problem is not None:
         raise ValueError(problem)
     export_torchrun_env(rendezvous=w.size > 1)
@@ -430,8 +437,12 @@ def ensure_watchdog() -> None:
         return
     dist = sys.modules.get("torch.distributed")
     torch_distributed = dist is not None and dist.is_available() and dist.is_initialized()
-    _start_watchdog(w, torch_distributed=torch_distributed, by="DDP construction",
-                    timeout_s=_scripts_timeout_s(dist if torch_distributed else None))
+    try:
+        timeout_s, problem = _scripts_timeout_s(dist if torch_distributed else None), None
+    except ValueError as e:  # (a bad PORTDDP_TIMEOUT_S: carried in the exchange, as the watchdog's own settings)
+        timeout_s, problem = DEFAULT_TIMEOUT_S, str(e)
+    _start_watchdog(w, torch_distributed=torch_distributed, by="DDP construction", timeout_s=timeout_s,
+                    problem=problem)
 
 
 def _scripts_timeout_s(dist) -> float:
@@ -575,8 +586,9 @@ def unpack_named(got: list, name: str | None, rank: int) -> list:
 
 
 def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAULT_TIMEOUT_S,
-                    by: str = "portddp.init") -> None:
-    """Connect every rank to every other for portddp.watchdog, once per process."""
+                    by: str = "portddp.init", problem: str | None = None) -> None:
+    """Connect every rank to every other for portddp.watchdog, once per process. `problem`: a setting
+    this rank could not read (carried in the address exchange, which then stops every rank)."""
     global _WATCHDOG
     from portddp import watchdog  # noqa: PLC0415
 
@@ -585,14 +597,22 @@ def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAUL
     if w.launcher != "mpirun" and not torch_distributed:
         return  # no channel to exchange addresses on before any collective
     # Its settings first: a bad one on any rank travels in the address exchange and stops every rank.
+    # (Every rank makes the same calls up to that exchange: _one_host may gather the hostnames.)
+    config = server = me = None
     try:
         if not watchdog.enabled():
+            if problem is not None:
+                raise ValueError(problem)
             return
-        config, problem = watchdog.settings(stall_s=0.8 * timeout_s), None
+        config = watchdog.settings(stall_s=0.8 * timeout_s)
     except ValueError as e:
-        config, problem = None, str(e)
-    server, me = (watchdog.listen("127.0.0.1" if _one_host(w) else (_reachable_address() or "127.0.0.1"))
-                  if problem is None else (None, None))
+        problem = problem or str(e)
+    local = _one_host(w)
+    if problem is None:
+        try:
+            server, me = watchdog.listen("127.0.0.1" if local else (_reachable_address() or "127.0.0.1"))
+        except OSError as e:
+            problem = f"the watchdog could not listen on this host ({e})"
     try:
         peers = _agree(me, problem, f"{by}: watchdog addresses")
     except ValueError:

@@ -127,8 +127,9 @@ def _refuse_other_names(what: str, items: str, ref, theirs, r: int) -> None:
     """Raise, naming them, when rank r's entries and rank 0's are not the same names (an extra layer on
     one rank: its leaf paired by position with another name read as a rename)."""
     ours, others = [s[0] for s in ref], [s[0] for s in theirs]
-    only_ref = [n for n in ours if n not in set(others)]
-    only_theirs = [n for n in others if n not in set(ours)]
+    ours_set, others_set = set(ours), set(others)
+    only_ref = [n for n in ours if n not in others_set]
+    only_theirs = [n for n in others if n not in ours_set]
     if only_ref or only_theirs:
         raise ValueError(f"{what}: rank 0 and rank {r} have different {items}: {_names(only_ref)} only on rank 0, "
                          f"{_names(only_theirs)} only on rank {r}. Every rank must build the same model before "

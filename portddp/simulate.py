@@ -203,8 +203,8 @@ def _fixed_costs(design: np.ndarray, rest: np.ndarray) -> np.ndarray:
     first bucket of an iteration without overlap absorbs the ranks' skew: 287 ms beside 29-41 ms in one
     busy run, which made the mean, least squares' alpha, 31 ms where the buckets' own was ~1.4) --;
     across several world sizes (alpha and the ring step's hop), least squares."""
-    if design.shape[1] == 1:
-        return np.array([max(0.0, float(np.median(rest)))])
+    if design.shape[1] == 1:  # (the lower median: of two buckets, one late, the other one's -- not their mean)
+        return np.array([max(0.0, float(np.sort(rest)[(len(rest) - 1) // 2]))])
     return np.clip(np.linalg.lstsq(design, rest, rcond=None)[0], 0.0, None)
 
 
@@ -509,7 +509,7 @@ def _note_fit(result: str, link: LinkModel, samples) -> None:
               "so the link model under-counts the wire; measure with larger buckets or a faster link",
               file=sys.stderr)
     took = float(np.median([t for *_, t in samples])) if samples else 0.0
-    if link.alpha_s > ALPHA_NOTE_S and link.alpha_s > 0.5 * took:
+    if link.rate_bps is not None and link.alpha_s > ALPHA_NOTE_S and link.alpha_s > 0.5 * took:  # (a link crossed)
         print(f"portddp simulate: note: the fitted fixed cost per all-reduce, alpha {_duration_text(link.alpha_s)}, "
               f"is {link.alpha_s / took * 100:.0f} % of {result}'s median all-reduce ({_duration_text(took)}) and far "
               "above a LAN's (tens of microseconds to ~2 ms): time its all-reduces spent beyond the wire -- a busy "
@@ -589,7 +589,8 @@ def main(argv=None) -> int:
         off = Trace.from_row(off_row, world) if off_row and why_not_replayable(off_row) is None else on
         measured = float(rows[ns.impl]["median_s"])
     except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
-        _refuse(f"{ns.result}'s row {ns.impl!r} is not as the overlap experiment writes it ({type(e).__name__}: {e})",
+        _refuse(f"{ns.result}'s row {ns.impl!r} (or its {_OFF.strip()} row) is not as the overlap experiment writes it "
+                f"({type(e).__name__}: {e})",
                 "pass a result as the experiment wrote it, or rerun the experiment")
     if off.plan is None and (ns.bucket_cap is not None or ns.first_bucket_cap is not None):
         flag = "--bucket-cap" if ns.bucket_cap is not None else "--first-bucket-cap"

@@ -5,6 +5,7 @@ Skipped, with the reason, where namespaces cannot be made (not root, no iproute2
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -238,7 +239,8 @@ def test_a_signal_during_teardown_waits_until_everything_is_removed(tmp_path, mo
     finally:
         done.set()
         other.join()
-    assert len(ran) == 5 and not c._made, ran
+    removals = [cmd for cmd in ran if "del" in cmd]  # (besides: `ip netns pids`, which segments the job mapped)
+    assert len(removals) == 5 and not c._made, ran
 
 
 def _ours() -> set[str]:
@@ -414,6 +416,31 @@ def test_without_root_the_cluster_says_what_is_missing():
     if "No such file" in why.stderr or "setpriv: " in why.stderr:
         pytest.skip(f"cannot drop privileges here: {why.stderr.strip()[:200]}")
     assert why.returncode == 1 and "unavailable: not root (network namespaces need root)" in why.stdout, why
+
+
+@needs_cluster
+def test_a_users_mpi_job_stopped_midway_leaves_no_segment_in_dev_shm():
+    """(An audit: a user's own mpi4py script -- not portddp's, which unlinks early -- stopped mid-all-reduce left
+    MPICH's 1 MB segment per host in /dev/shm, which only MPI_Finalize removes.)"""
+    code = ("from mpi4py import MPI; import numpy as np, sys\n"
+            "a = np.ones(4_000_000, np.float32); b = np.empty_like(a)\n"
+            "for i in range(10_000):\n    MPI.COMM_WORLD.Allreduce(a, b)\n    print('STEP', i, flush=True)\n")
+    before = set(glob.glob("/dev/shm/mpich_*"))
+    launcher = subprocess.Popen([sys.executable, "-m", "portddp.cluster", "-n", "2", "--hosts", "2", "--link",
+                                 "200mbit", "--", sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    guard = threading.Timer(90, launcher.kill)  # (a job that never prints must not stall the suite)
+    guard.start()
+    try:
+        assert "STEP" in launcher.stdout.readline(), "the job never ran"
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        guard.cancel()
+        launcher.kill()
+    left = {Path(p).name for p in set(glob.glob("/dev/shm/mpich_*")) - before} - cluster._mapped_segments(
+        Path("/proc").glob("[0-9]*/maps"))  # (another job's, mapped by its live ranks, may appear meanwhile)
+    assert not left, (left, err[-2000:])
 
 
 @needs_cluster

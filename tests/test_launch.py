@@ -203,7 +203,8 @@ def test_time_settings_in_the_environment_are_checked_naming_the_variable(monkey
     assert env_seconds(name, 300) == 300
 
 
-@pytest.mark.parametrize("name,value,how", [("PORTDDP_TIMEOUT_S", "abc", "init"), ("PORTDDP_STALL_S", "-1", "ddp")])
+@pytest.mark.parametrize("name,value,how", [("PORTDDP_TIMEOUT_S", "abc", "init"), ("PORTDDP_TIMEOUT_S", "abc", "ddp"),
+                                            ("PORTDDP_STALL_S", "-1", "ddp")])
 def test_a_bad_setting_on_one_rank_stops_every_rank_naming_it(name, value, how):
     """(An audit: PORTDDP_STALL_S=abc on rank 1 alone -- rank 1 raised after the watchdog's address exchange,
     rank 0 waited for its connection and then in c10d for ever, past 420 s; PORTDDP_TIMEOUT_S=abc raised while
@@ -221,6 +222,17 @@ def test_a_bad_setting_on_one_rank_stops_every_rank_naming_it(name, value, how):
     said = re.findall(rf"ValueError: rank 1: {name}='{re.escape(value)}': set it to a number of seconds.*every rank "
                       r"stops: fix it where it is set", proc.stderr)
     assert len(said) == 2, proc.stderr[-3000:]  # rank 0's and rank 1's
+
+
+def test_transport_c10d_without_a_process_group_says_so_in_natives_words():
+    code = ("import torch\nfrom portddp.torch import DistributedDataParallel as DDP\n"
+            "try:\n    DDP(torch.nn.Linear(2, 2))\nexcept ValueError as e:\n    print('REFUSED', e)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PORTDDP_", "RANK", "WORLD_SIZE"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=mpi.ROOT)
+    assert re.search(r"REFUSED Default process group has not been initialized, please make sure to call "
+                     r"init_process_group\. \(transport='c10d' needs a c10d process group: .*portddp\.init\(\)",
+                     out.stdout), out.stdout + out.stderr[-2000:]
 
 
 def test_transport_mpi_in_a_c10d_group_made_by_spawn_is_refused_on_every_rank(tmp_path):
@@ -246,7 +258,8 @@ def test_transport_mpi_in_a_c10d_group_made_by_spawn_is_refused_on_every_rank(tm
     proc = subprocess.run([sys.executable, str(script), str(_free_port())], capture_output=True, text=True,
                           timeout=120, cwd=mpi.ROOT, env=env)
     refused = re.findall(r"REFUSED (\d) transport='mpi' needs MPI ranks, and this process is rank \1 of a c10d group "
-                         r"of 2 made without mpirun \(torch\.multiprocessing\.spawn.*use transport='c10d'", proc.stdout)
+                         r"of 2 made without mpirun \(torch\.multiprocessing\.spawn.*MPI sees a world of 1 here.*use "
+                         r"transport='c10d'", proc.stdout)
     assert sorted(refused) == ["0", "1"] and "BUILT" not in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 

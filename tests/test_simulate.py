@@ -239,7 +239,8 @@ def test_fit_link_of_one_bucket_size_takes_the_time_beyond_the_wire_as_fixed_wha
         for extra in (np.zeros(8, int), rng.integers(0, 8, 8)):
             fit = fit_link([(nbytes + int(e), 2, GBIT, float(x)) for e, x in zip(extra, t)])
             assert not fit.separable and fit.host_s_per_byte == 0.0
-            assert fit.alpha_s == pytest.approx(max(0.0, float(np.median(t - (nbytes + extra) * 8 / GBIT))), abs=1e-9)
+            lower_median = float(np.sort(t - (nbytes + extra) * 8 / GBIT)[3])  # (of 8)
+            assert fit.alpha_s == pytest.approx(max(0.0, lower_median), abs=1e-9)
     # Sizes apart by more than SEPARABLE_SPREAD: both are fitted, as from a sweep.
     truth = LinkModel(alpha_s=2e-3, host_s_per_byte=20e-9)
     fit = fit_link([(b, 2, GBIT, truth.allreduce_s(b, 2, GBIT)) for b in (1e6, 4e6, 16e6)])
@@ -255,7 +256,7 @@ def test_fit_link_is_not_moved_by_an_all_reduce_that_waited_for_a_late_rank():
     """(An audit's busy run: the first bucket of the iteration without overlap took 287 ms, waiting for the
     peer's backward, beside 29-41 ms for the others; least squares made that alpha 31 ms instead of ~1.4.)"""
     truth = LinkModel(alpha_s=1.5e-3, host_s_per_byte=4e-9)
-    for sizes in ([4.2e6] * 8, [1e6, 2e6, 4e6, 8e6, 16e6, 1e6, 4e6, 16e6]):
+    for sizes in ([4.2e6] * 8, [1e6, 2e6, 4e6, 8e6, 16e6, 1e6, 4e6, 16e6], [4e6, 4e6], [1e6, 25e6]):
         clean = [(b, 2, GBIT, truth.allreduce_s(b, 2, GBIT)) for b in sizes]
         late = [(clean[0][0], 2, GBIT, clean[0][3] + 0.25), *clean[1:]]
         assert fit_link(late).alpha_s == pytest.approx(fit_link(clean).alpha_s, rel=0.02, abs=1e-5)
@@ -335,7 +336,7 @@ def test_main_refuses_a_result_whose_rows_are_not_the_experiments(result, capsys
         payload["rows"].append("torch-mpi")
     Path(result).write_text(json.dumps(payload))
     message = refused(capsys, result)
-    assert (f"{result}'s row 'torch-c10d' is not as the overlap experiment writes it" in message
+    assert (f"{result}'s row 'torch-c10d' (or its (no overlap) row) is not as the overlap experiment writes it" in message
             if edit != "row" else f"{result} holds rows that are not the overlap experiment's" in message), message
 
 

@@ -5,7 +5,6 @@ The worker (tests/workers/torch_equivalence.py) runs every scenario under
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests import mpi

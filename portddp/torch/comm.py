@@ -63,7 +63,7 @@ class C10dComm(_Comm):
     def __init__(self, process_group=None):
         if not dist.is_initialized():  # (native's words and type, then what portddp offers besides)
             raise ValueError(
-                "Default process group has not been initialized, please make sure to call init_process_group "
+                "Default process group has not been initialized, please make sure to call init_process_group. "
                 "(transport='c10d' needs a c10d process group: torch.distributed.init_process_group(...), or "
                 "portddp.init(), which makes it under mpirun; or use transport='mpi' under mpirun)"
             )
@@ -188,11 +188,14 @@ def check_transport(transport: str, process_group=None) -> None:
     if launcher == "none" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # (an audit: the DDP tutorial's mp.spawn script with PORTDDP_TRANSPORT=mpi trained one model per rank,
         # each its own MPI world of one, nothing averaged, exit 0)
-        raise ValueError(f"transport='mpi' needs MPI ranks, and this process is rank {dist.get_rank()} of a c10d group "
-                         f"of {dist.get_world_size()} made without mpirun (torch.multiprocessing.spawn, or "
-                         "init_process_group(rank=..., world_size=...)): MPI sees a world of one here, and nothing "
-                         "would be averaged. Launch with `mpirun -n K python ...` (one process per rank, no spawn), or "
-                         "use transport='c10d' (unset PORTDDP_TRANSPORT)")
+        from portddp.launch import mpi_comm  # noqa: PLC0415 -- (the transport would start MPI anyway)
+
+        if (mpi_size := mpi_comm().Get_size()) != dist.get_world_size():
+            raise ValueError(f"transport='mpi' needs MPI ranks, and this process is rank {dist.get_rank()} of a c10d "
+                             f"group of {dist.get_world_size()} made without mpirun (torch.multiprocessing.spawn, or "
+                             f"init_process_group(rank=..., world_size=...)): MPI sees a world of {mpi_size} here, and "
+                             "the ranks would not average together. Launch with `mpirun -n K python ...` (one process "
+                             "per rank, no spawn), or use transport='c10d' (unset PORTDDP_TRANSPORT)")
     if process_group is not None:
         raise ValueError("process_group applies to transport='c10d' only; transport='mpi' uses COMM_WORLD"
                          + ("" if os.environ.get("PORTDDP_TRANSPORT") != "mpi" else
