@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from portddp import env
-from portddp.watchdog import pid_alive
+from portddp.watchdog import mpich_segments_in, pid_alive
 
 __all__ = ["Cluster", "parse_rate", "check_job", "interface_bytes", "run", "cleanup_stale", "PREFIX"]
 
@@ -526,8 +526,7 @@ def _mapped_segments(maps_files) -> set[str]:
             text = maps.read_text()
         except OSError:
             continue
-        mapped.update(line.rsplit("/", 1)[-1].removesuffix(" (deleted)").strip()
-                      for line in text.splitlines() if "/dev/shm/mpich_" in line)
+        mapped.update(Path(p).name for p in mpich_segments_in(text))
     return mapped
 
 

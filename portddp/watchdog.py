@@ -834,14 +834,20 @@ def unlink_mpi_shared_memory() -> None:
             pass
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split(None, 5)[5].strip() for line in maps if "/dev/shm/mpich_" in line}
-    except (OSError, IndexError):
+            paths = mpich_segments_in(maps.read())
+    except OSError:
         return
     for path in paths:
         try:
-            os.unlink(path.removesuffix(" (deleted)"))
+            os.unlink(path)
         except OSError:
             pass
+
+
+def mpich_segments_in(maps: str) -> set[str]:
+    """The paths of MPICH's /dev/shm segments a process maps, from its /proc/<pid>/maps text."""
+    return {line.split(None, 5)[5].strip().removesuffix(" (deleted)") for line in maps.splitlines()
+            if "/dev/shm/mpich_" in line and len(line.split(None, 5)) == 6}
 
 
 def _is_c10d_timeout(value) -> bool:
