@@ -10,6 +10,13 @@ Many jobs of the suite compile the same XLA programs (a worker's two separate jo
 several world sizes): JAX's persistent compilation cache, in a directory of this session's own, lets
 a later process load what an earlier one compiled instead of compiling it again. The executables are
 the ones XLA built; tracing still runs in every process. A cache the caller set is left alone.
+A program with a host callback -- every hooked strategy's step -- is never cached by JAX, though.
+
+XLA compiles the suite's programs with LLVM's optimisations off (`--xla_backend_optimization_level=0`,
+set here, before any test or job starts JAX): the suite's models are tiny, so compiling is most of a
+JAX job's time (the JAX test files ran 193 s -> 150 s), and no test depends on how fast XLA's code
+runs -- what they compare is computed by programs compiled alike, within the tolerances they name.
+Outside the suite (the benchmark, the experiments, the demo) XLA's defaults hold; a level the caller set wins.
 """
 
 from __future__ import annotations
@@ -20,6 +27,24 @@ import os
 import pytest
 
 _SEGMENTS = "/dev/shm/mpich_shm_*"
+
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _bytecode_of_the_sessions_own(tmp_path_factory):
+    """Where the caller's shell sets PYTHONDONTWRITEBYTECODE, every rank of every job would compile
+    portddp's, the experiments' and the workers' sources again (~0.2 s of CPU a process, a few hundred
+    processes): the jobs write and reuse bytecode in a directory of this session's own instead, and
+    the working tree stays as the caller wants it."""
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE") or "PYTHONPYCACHEPREFIX" in os.environ:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("PYTHONDONTWRITEBYTECODE")
+        env.setenv("PYTHONPYCACHEPREFIX", str(tmp_path_factory.mktemp("bytecode")))
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
