@@ -233,6 +233,20 @@ def _port_taken(port: int) -> str | None:
     return None
 
 
+def _until_listening(addr: str, port: int, within_s: float = 5.0) -> None:
+    """Wait (up to `within_s`) until rank 0's JAX coordinator accepts connections. A client that
+    connects before the service listens is retried by gRPC after a 1 s back-off: every rank then
+    started ~0.9 s late (jax.distributed.initialize took 0.9-1.0 s here; 0.2 s with the others 0.2 s
+    behind rank 0). Past `within_s`, jax.distributed's own retries and timeout take over, as before."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((addr, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.005)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -660,6 +674,8 @@ def _init_jax(w: World, timeout_s: float) -> None:
     # Off, unless asked for; portddp.watchdog then handles SIGTERM as without JAX.
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
         jax.config.update("jax_enable_preemption_service", False)
+    if w.rank != 0:
+        _until_listening(addr, port)
     jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=w.size, process_id=w.rank,
                                initialization_timeout=int(timeout_s))
     from portddp import watchdog  # noqa: PLC0415

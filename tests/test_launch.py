@@ -368,3 +368,28 @@ def test_switches_in_the_environment_take_the_usual_spellings(monkeypatch):
         assert env.flag("PORTDDP_CHECK_STEPS", True) is want
     monkeypatch.setenv("PORTDDP_MPI_WAIT", "SLEEP")
     assert env.choice("PORTDDP_MPI_WAIT", "", ("spin", "sleep")) == "sleep"
+
+
+def test_a_jax_rank_waits_for_the_coordinator_to_listen_then_goes_on_and_gives_up_in_time():
+    """Ranks other than 0 connect to the JAX coordinator only once it listens (gRPC retries a refused
+    client after a 1 s back-off, which every JAX job paid); with nobody listening, the wait ends on
+    its own and jax.distributed's own retries take over."""
+    import socket  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from portddp.launch import _free_port, _until_listening  # noqa: PLC0415
+
+    port = _free_port()
+    start = time.monotonic()
+    _until_listening("127.0.0.1", port, within_s=0.3)  # nobody there
+    assert 0.3 <= time.monotonic() - start < 5
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        late = threading.Timer(0.2, server.listen)  # the coordinator comes up while the rank waits
+        late.start()
+        start = time.monotonic()
+        _until_listening("127.0.0.1", port, within_s=30)
+        waited = time.monotonic() - start
+        late.join()
+    assert 0.2 <= waited < 10, waited
