@@ -285,6 +285,7 @@ class Cluster:
         self._made = False
         self.setup_s = self.teardown_s = None
         self.job_segments: set[str] = set()  # MPICH's /dev/shm segments this job's ranks mapped (note_job_segments)
+        self.job_files: set[Path] = set()  # hydra's topology files its processes hold open (note_job_segments)
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> "Cluster":
@@ -345,6 +346,8 @@ class Cluster:
                 _kill_inside(ns)
                 _run("ip", "netns", "del", ns, check=False)
                 shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+            for path in self.job_files:  # (their processes, just killed, never removed them)
+                path.unlink(missing_ok=True)
             for link in [*self.uplinks, self.bridge]:
                 _run("ip", "link", "del", link, check=False)
             self._made = False
@@ -352,10 +355,13 @@ class Cluster:
 
     def note_job_segments(self) -> None:
         """Remember the MPICH segments the processes on the hosts map now: the job's own, which only
-        MPI_Finalize unlinks -- a job stopped before it leaves them in /dev/shm (the hosts share it)."""
+        MPI_Finalize unlinks -- a job stopped before it leaves them in /dev/shm (the hosts share it);
+        and the topology files in /tmp that MPICH's launcher on each host (hydra_pmi_proxy) holds open
+        and removes only when it exits on its own, which one killed by the teardown never does."""
         for ns in self.names:
             for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
                 self.job_segments |= _mapped_segments([Path(f"/proc/{pid}/maps")])
+                self.job_files |= _hydra_files(pid)
 
     # ------------------------------------------------------------------ running
     def exec_prefix(self, host: int) -> list[str]:
@@ -528,6 +534,19 @@ def _mapped_segments(maps_files) -> set[str]:
             continue
         mapped.update(Path(p).name for p in mpich_segments_in(text))
     return mapped
+
+
+def _hydra_files(pid: str) -> set[Path]:
+    """The files hydra_hwloc_xmlfile_* (in the temporary directory) that process `pid` holds open
+    (none where it is gone)."""
+    held = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = Path(os.readlink(fd))
+                if target.name.startswith("hydra_hwloc_xmlfile_") and target.is_absolute():
+                    held.add(target)
+    return held
 
 
 def _remove_unmapped_segments(names: set[str]) -> list[str]:

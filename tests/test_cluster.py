@@ -421,7 +421,10 @@ def test_without_root_the_cluster_says_what_is_missing():
 @needs_cluster
 def test_a_users_mpi_job_stopped_midway_leaves_no_segment_in_dev_shm():
     """(An audit: a user's own mpi4py script -- not portddp's, which unlinks early -- stopped mid-all-reduce left
-    MPICH's 1 MB segment per host in /dev/shm, which only MPI_Finalize removes.)"""
+    MPICH's 1 MB segment per host in /dev/shm, which only MPI_Finalize removes; and hydra_pmi_proxy's topology
+    file in /tmp, which the teardown's SIGKILL kept it from removing.)"""
+    hydra_files = os.path.join(tempfile.gettempdir(), "hydra_hwloc_xmlfile_*")
+    files_before = set(glob.glob(hydra_files))
     code = ("from mpi4py import MPI; import numpy as np, sys\n"
             "a = np.ones(4_000_000, np.float32); b = np.empty_like(a)\n"
             "for i in range(10_000):\n    MPI.COMM_WORLD.Allreduce(a, b)\n    print('STEP', i, flush=True)\n")
@@ -441,6 +444,8 @@ def test_a_users_mpi_job_stopped_midway_leaves_no_segment_in_dev_shm():
     left = {Path(p).name for p in set(glob.glob("/dev/shm/mpich_*")) - before} - cluster._mapped_segments(
         Path("/proc").glob("[0-9]*/maps"))  # (another job's, mapped by its live ranks, may appear meanwhile)
     assert not left, (left, err[-2000:])
+    held = set().union(*(cluster._hydra_files(p.name) for p in Path("/proc").glob("[0-9]*")))  # (others' live jobs')
+    assert not {Path(p) for p in set(glob.glob(hydra_files)) - files_before} - held, err[-2000:]
 
 
 @needs_cluster
