@@ -2,9 +2,14 @@
 
 import atexit
 import gc
+import sys
 
-# Registered before any other exit handler, so it runs after all of them (MPI_Finalize among them): the
-# interpreter's last collection then skips what was alive at exit -- torch's whole heap, ~0.5 s of CPU a
-# process on 2 cores, for nothing: these programs close their files themselves. (Also comparisons/ and
-# tests/workers/, the other packages whose modules are mpirun's ranks.)
-atexit.register(gc.freeze)
+# Run as `python -m experiments.<name>` (sys.argv[0] is "-m" while Python finds the module; not where the
+# CLI or pytest imports this package): freeze the heap after every other Python exit handler (portddp's,
+# weakref.finalize's; this one was registered first), so the interpreter's last collection skips what was
+# alive at exit -- torch's whole heap, ~0.5 s of CPU a process on 2 cores, for nothing. The rule that
+# comes with it: nothing in these programs may rely on a collection at exit to flush or close a file
+# (each closes its own with `with`). MPI_Finalize (mpi4py's, at the C level) runs later still. The same
+# in comparisons/ and tests/workers/, the other packages whose modules are mpirun's ranks.
+if sys.argv[:1] == ["-m"]:
+    atexit.register(gc.freeze)

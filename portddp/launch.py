@@ -237,14 +237,22 @@ def _until_listening(addr: str, port: int, within_s: float = 5.0) -> None:
     """Wait (up to `within_s`) until rank 0's JAX coordinator accepts connections. A client that
     connects before the service listens is retried by gRPC after a 1 s back-off: every rank then
     started ~0.9 s late (jax.distributed.initialize took 0.9-1.0 s here; 0.2 s with the others 0.2 s
-    behind rank 0). Past `within_s`, jax.distributed's own retries and timeout take over, as before."""
+    behind rank 0). An address that does not resolve, or the time running out, leaves it to
+    jax.distributed's own retries, timeout and messages, as before."""
+    try:  # (once: a slow lookup must not be paid at every try; an IPv6 address comes bracketed)
+        family, kind, proto, _, where = socket.getaddrinfo(addr.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        try:
-            socket.create_connection((addr, port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.005)
+        with socket.socket(family, kind, proto) as probe:
+            probe.settimeout(0.5)
+            try:
+                probe.connect(where)
+                return
+            except OSError:
+                pass
+        time.sleep(0.005)
 
 
 def _free_port() -> int:

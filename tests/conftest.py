@@ -13,7 +13,8 @@ the ones XLA built; tracing still runs in every process. A cache the caller set 
 A program with a host callback -- every hooked strategy's step -- is never cached by JAX, though.
 
 XLA compiles the suite's programs with LLVM's optimisations off (`--xla_backend_optimization_level=0`,
-set here, before any test or job starts JAX): the suite's models are tiny, so compiling is most of a
+set here, before any test or job starts JAX; the two tests that give a job XLA_FLAGS of its own
+compile at XLA's default): the suite's models are tiny, so compiling is most of a
 JAX job's time (the JAX test files ran 193 s -> 150 s), and no test depends on how fast XLA's code
 runs -- what they compare is computed by programs compiled alike, within the tolerances they name.
 Outside the suite (the benchmark, the experiments, the demo) XLA's defaults hold; a level the caller set wins.

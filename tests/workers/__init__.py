@@ -2,5 +2,7 @@
 
 import atexit
 import gc
+import sys
 
-atexit.register(gc.freeze)  # (runs last: the exit skips collecting torch's heap -- experiments/__init__.py)
+if sys.argv[:1] == ["-m"]:  # (run as a rank: the exit skips collecting torch's heap -- experiments/__init__.py)
+    atexit.register(gc.freeze)
