@@ -684,7 +684,8 @@ def _init_jax(w: World, timeout_s: float) -> None:
         jax.config.update("jax_enable_preemption_service", False)
     if w.rank != 0:
         _until_listening(addr, port)
-    jax.distributed.initialize(coordinator_address=f"{addr}:{port}", num_processes=w.size, process_id=w.rank,
+    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr  # (an IPv6 address, bracketed)
+    jax.distributed.initialize(coordinator_address=f"{host}:{port}", num_processes=w.size, process_id=w.rank,
                                initialization_timeout=int(timeout_s))
     from portddp import watchdog  # noqa: PLC0415
 

@@ -403,3 +403,32 @@ def test_a_jax_rank_waits_for_the_coordinator_to_listen_then_goes_on_and_gives_u
         start = time.monotonic()
         _until_listening("[::1]", server.getsockname()[1], within_s=30)
         assert time.monotonic() - start < 2
+
+
+def test_jax_distributed_starts_on_an_ipv6_master_addr():
+    """A torchrun-style start (RANK, WORLD_SIZE, MASTER_ADDR, no mpirun) with MASTER_ADDR=::1, as torch takes
+    it: the JAX coordinator's address is bracketed ([::1]:port); unbracketed, the ranks never met."""
+    import socket  # noqa: PLC0415
+
+    from portddp.launch import _free_port  # noqa: PLC0415
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    code = ("import portddp, jax\nw = portddp.init(torch_distributed=False, jax_distributed=True)\n"
+            "print('MET', w.rank, jax.process_count(), flush=True)\n")
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_"))}
+    ranks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**env, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "::1", "MASTER_PORT": port})
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    for r, out in enumerate(outs):
+        assert f"MET {r} 2" in out, out[-2000:]
