@@ -284,8 +284,8 @@ class Cluster:
         self.uplinks = [f"{PREFIX}{self.job}v{h}" for h in range(self.hosts)]
         self._made = False
         self.setup_s = self.teardown_s = None
-        self.job_segments: set[str] = set()  # MPICH's /dev/shm segments this job's ranks mapped (note_job_segments)
-        self.job_files: set[Path] = set()  # hydra's topology files its processes hold open (note_job_segments)
+        self.job_segments: set[str] = set()  # MPICH's /dev/shm segments this job's ranks mapped (note_job_leftovers)
+        self.job_files: set[Path] = set()  # hydra's topology files its processes hold open (note_job_leftovers)
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> "Cluster":
@@ -341,7 +341,7 @@ class Cluster:
             return
         t0 = time.perf_counter()
         with _signals_held():
-            self.note_job_segments()
+            self.note_job_leftovers()
             for ns in self.names:
                 _kill_inside(ns)
                 _run("ip", "netns", "del", ns, check=False)
@@ -353,7 +353,7 @@ class Cluster:
             self._made = False
         self.teardown_s = time.perf_counter() - t0
 
-    def note_job_segments(self) -> None:
+    def note_job_leftovers(self) -> None:
         """Remember the MPICH segments the processes on the hosts map now: the job's own, which only
         MPI_Finalize unlinks -- a job stopped before it leaves them in /dev/shm (the hosts share it);
         and the topology files in /tmp that MPICH's launcher on each host (hydra_pmi_proxy) holds open
@@ -497,7 +497,7 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
             try:
                 code = proc.wait()
             except BaseException as e:  # Ctrl-C, SIGTERM (see main): stop the job, then clean up
-                cluster.note_job_segments()  # (before the ranks go: which MPICH segments are this job's)
+                cluster.note_job_leftovers()  # (before the ranks go: which MPICH segments are this job's)
                 # (the job is in a session of its own: it hears of a Ctrl-C as a Ctrl-C, from here)
                 first = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
                 for stop, wait_s in ((first, 5), (signal.SIGTERM, 5), (signal.SIGKILL, None)):
@@ -550,7 +550,7 @@ def _hydra_files(pid: str) -> set[Path]:
 
 
 def _remove_unmapped_segments(names: set[str]) -> list[str]:
-    """Remove the segments `names` (a job's own, note_job_segments) once no process maps them any more
+    """Remove the segments `names` (a job's own, note_job_leftovers) once no process maps them any more
     (the job's ranks, SIGKILLed by the teardown, may take a moment to go); returns the removed names.
     MPICH unlinks them in MPI_Finalize only; a rank's portddp.init does it early, a user's own MPI
     script does not."""

@@ -239,8 +239,8 @@ def _until_listening(addr: str, port: int, within_s: float = 5.0) -> None:
     started ~0.9 s late (jax.distributed.initialize took 0.9-1.0 s here; 0.2 s with the others 0.2 s
     behind rank 0). An address that does not resolve, or the time running out, leaves it to
     jax.distributed's own retries, timeout and messages, as before."""
-    try:  # (once: a slow lookup must not be paid at every try; an IPv6 address comes bracketed)
-        family, kind, proto, _, where = socket.getaddrinfo(addr.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    try:  # (once: a slow lookup must not be paid at every try)
+        family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     except OSError:
         return
     deadline = time.monotonic() + within_s
@@ -682,9 +682,10 @@ def _init_jax(w: World, timeout_s: float) -> None:
     # Off, unless asked for; portddp.watchdog then handles SIGTERM as without JAX.
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
         jax.config.update("jax_enable_preemption_service", False)
+    bare = addr.strip("[]")  # (an IPv6 address, as torch takes it or bracketed; JAX wants it bracketed)
     if w.rank != 0:
-        _until_listening(addr, port)
-    host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr  # (an IPv6 address, bracketed)
+        _until_listening(bare, port)
+    host = f"[{bare}]" if ":" in bare else bare
     jax.distributed.initialize(coordinator_address=f"{host}:{port}", num_processes=w.size, process_id=w.rank,
                                initialization_timeout=int(timeout_s))
     from portddp import watchdog  # noqa: PLC0415

@@ -393,7 +393,7 @@ def test_a_jax_rank_waits_for_the_coordinator_to_listen_then_goes_on_and_gives_u
         waited = time.monotonic() - start
         late.join()
     assert 0.2 <= waited < 10, waited
-    try:  # an IPv6 address, bracketed as jax.distributed wants it (the lookup failed, and 5 s went by)
+    try:  # an IPv6 address (unbracketed here: _init_jax strips the brackets jax.distributed wants)
         server = socket.socket(socket.AF_INET6)
         server.bind(("::1", 0))
     except OSError:
@@ -401,7 +401,7 @@ def test_a_jax_rank_waits_for_the_coordinator_to_listen_then_goes_on_and_gives_u
     with server:
         server.listen()
         start = time.monotonic()
-        _until_listening("[::1]", server.getsockname()[1], within_s=30)
+        _until_listening("::1", server.getsockname()[1], within_s=30)
         assert time.monotonic() - start < 2
 
 
