@@ -11,6 +11,9 @@ torch/csrc/distributed/c10d/reducer.cpp), reimplemented, not wrapped:
   flat bucket buffer has one dtype and lives on one device;
 * a tensor is never split; it joins the open bucket of its group, and that
   bucket closes as soon as its size reaches the group's current limit;
+* a tensor whose gradient is sparse (`ParamSpec.sparse`: an `nn.Embedding` or
+  `nn.EmbeddingBag` with sparse=True) gets a bucket of its own, and moves no
+  group to its next limit;
 * each group walks the list of limits on its own: its first bucket uses
   limits[0], the next limits[1], ... and the last limit repeats;
 * leftover open buckets are closed at the end; buckets are then ordered by the
@@ -37,6 +40,7 @@ __all__ = [
 ]
 
 MB = 1024 * 1024  # PyTorch's "MB" in bucket_cap_mb is a mebibyte
+NO_LIMIT = 2**63 - 1  # PyTorch uses sys.maxsize for "one bucket"
 
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -56,12 +60,14 @@ def itemsize(dtype: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One parameter as the planner sees it: a name, a shape and a dtype name."""
+    """One parameter as the planner sees it: a name, a shape and a dtype name (and whether its
+    gradient is sparse: then it is reduced alone, never packed into a flat buffer)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str  # numpy-style name: "float32", "bfloat16", ...
     device: str = "cpu"
+    sparse: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -89,6 +95,7 @@ class Bucket:
     dtype: str
     device: str
     cap_bytes: int
+    sparse: bool = False  # one parameter with a sparse gradient: no flat buffer
 
     @property
     def nbytes(self) -> int:
@@ -120,17 +127,13 @@ class BucketPlan:
         for i, b in enumerate(self.buckets):
             names = [self.specs[p].name for p in b.params]
             shown = ", ".join(names[:4]) + (f", ... (+{len(names) - 4})" if len(names) > 4 else "")
-            lines.append(
-                f"  bucket {i}: {b.nbytes / MB:8.3f} MB {b.dtype:>8} cap {b.cap_bytes / MB:g} MB  [{shown}]"
-            )
+            size = "  sparse, alone" if b.sparse else f"{b.nbytes / MB:8.3f} MB {b.dtype:>8} cap {b.cap_bytes / MB:g} MB"
+            lines.append(f"  bucket {i}: {size}  [{shown}]")
         return "\n".join(lines)
 
     # -- a plain, serialisable value ------------------------------------------
     def to_dict(self) -> dict:
-        return {
-            "specs": [dataclasses.asdict(s) for s in self.specs],
-            "buckets": [dataclasses.asdict(b) for b in self.buckets],
-        }
+        return {"specs": [_dense_only(s) for s in self.specs], "buckets": [_dense_only(b) for b in self.buckets]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "BucketPlan":
@@ -149,6 +152,14 @@ class BucketPlan:
         return cls.from_dict(json.loads(s))
 
 
+def _dense_only(item) -> dict:
+    """`item` as a dict, `sparse` left out where False (as plans of dense models always were)."""
+    d = dataclasses.asdict(item)
+    if not d["sparse"]:
+        del d["sparse"]
+    return d
+
+
 def cap_bytes(value, what: str) -> int:
     """Turn a cap in MB into bytes, refusing what cannot be a cap.
 
@@ -160,7 +171,7 @@ def cap_bytes(value, what: str) -> int:
             + (", or 'auto' to time a few caps and keep the fastest" if what == "bucket_cap_mb" else "")
         )
     if math.isinf(value):
-        return 2**63 - 1  # PyTorch uses sys.maxsize for "one bucket"
+        return NO_LIMIT
     return max(1, int(value * MB)) if value > 0 else 0
 
 
@@ -168,13 +179,15 @@ def assign_by_size(
     sizes: Sequence[int],
     keys: Sequence[object],
     limits: Sequence[int],
+    alone: Sequence[bool] = (),
 ) -> tuple[list[list[int]], list[int]]:
     """Group positions 0..n-1 into buckets; the rule in the module docstring.
 
     `sizes[i]` is the byte size of tensor i and `keys[i]` its group (dtype,
-    device). Returns (buckets as lists of positions, the limit each bucket was
-    closed against) -- the same pair PyTorch's function returns when given no
-    explicit tensor indices.
+    device); `alone[i]` (default False) puts tensor i in a bucket of its own (a
+    sparse gradient). Returns (buckets as lists of positions, the limit each
+    bucket was closed against; a lone tensor's is 0) -- the same pair
+    PyTorch's function returns when given no explicit tensor indices.
     """
     if not limits:
         raise ValueError("limits must name at least one bucket size")
@@ -185,6 +198,9 @@ def assign_by_size(
     limit_pos: dict[object, int] = {}
     done: list[tuple[list[int], int]] = []
     for i, (size, key) in enumerate(zip(sizes, keys, strict=True)):
+        if alone and alone[i]:
+            done.append(([i], 0))  # (native's "no size limit" for it)
+            continue
         bucket = open_buckets.setdefault(key, [])
         bucket.append(i)
         open_bytes[key] = open_bytes.get(key, 0) + size
@@ -205,7 +221,7 @@ def assign_by_size(
 def _make_plan(specs: tuple[ParamSpec, ...], order: Sequence[int], limits: list[int]) -> BucketPlan:
     ordered = [specs[i] for i in order]
     groups, caps = assign_by_size(
-        [s.nbytes for s in ordered], [(s.dtype, s.device) for s in ordered], limits
+        [s.nbytes for s in ordered], [(s.dtype, s.device) for s in ordered], limits, [s.sparse for s in ordered]
     )
     buckets = []
     for positions, cap in zip(groups, caps):
@@ -215,7 +231,7 @@ def _make_plan(specs: tuple[ParamSpec, ...], order: Sequence[int], limits: list[
             offsets.append(total)
             total += specs[p].numel
         first = specs[params[0]]
-        buckets.append(Bucket(params, tuple(offsets), total, first.dtype, first.device, cap))
+        buckets.append(Bucket(params, tuple(offsets), total, first.dtype, first.device, cap, first.sparse))
     return BucketPlan(specs, tuple(buckets))
 
 

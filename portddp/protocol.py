@@ -175,8 +175,9 @@ def _name(name: str) -> str:
 
 
 def _show(spec) -> str:
-    name, shape, dtype = spec
-    return f"{_name(name)} {tuple(shape)} {dtype}"
+    name, shape, dtype, *sparse = spec  # ("sparse",) after them: a torch parameter with a sparse gradient
+    return f"{_name(name)} {tuple(shape)} {dtype}" + (" with a sparse gradient (nn.Embedding(sparse=True))" if sparse
+                                                      else "")
 
 
 def unused_parameters_error(names: Sequence[str], counts: Sequence[int], world: int, rank: int,

@@ -353,9 +353,16 @@ class MPITransport:
         """Every rank's `obj`, in rank order (blocking; small objects only), waited for the configured
         way (PORTDDP_MPI_WAIT; launch.allgather_pickled: not mpi4py's blocking allgather, which polls
         a core while a peer is late)."""
-        if self._spin:
-            return self._submit(lambda: self.comm.allgather(obj)).wait()
-        return self._submit(lambda: allgather_pickled(self.comm, obj, self._wait)).wait()
+        return self.allgather_object_async(obj).wait()
+
+    def allgather_object_async(self, obj, then: Callable[[list], object] | None = None, on_done=None) -> Handle:
+        """`allgather_object` in the queue's order, returning at once: the Handle's result is the list,
+        or what `then(list)` returns (run on the comm thread)."""
+        def job():
+            everyone = self.comm.allgather(obj) if self._spin else allgather_pickled(self.comm, obj, self._wait)
+            return everyone if then is None else then(everyone)
+
+        return self._submit(job, on_done)
 
     def barrier(self) -> None:
         self._submit(lambda: self.comm.Barrier() if self._spin else self._wait(self.comm.Ibarrier())).wait()

@@ -38,6 +38,26 @@ def test_assignment_equals_pytorch(seed):
 
 
 @pytest.mark.parametrize("seed", range(100))
+def test_sparse_gradients_get_buckets_of_their_own_as_in_pytorch(seed):
+    """An nn.Embedding(sparse=True)'s weight: alone in its bucket (no limit), moving no group to its
+    next limit -- native's assignment given expect_sparse_gradient; the flag survives a re-plan and
+    JSON (where it is set: dense plans' JSON is as before)."""
+    rng = random.Random(5000 + seed)
+    specs = [ParamSpec(s.name, s.shape, s.dtype, sparse=rng.random() < 0.2) for s in random_specs(rng)]
+    limits = sorted(rng.sample([64, 400, 1000, 4096, 65536], rng.randint(1, 2)))
+    tensors = [torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in specs]
+    want_buckets, want_limits = dist._compute_bucket_assignment_by_size(tensors, limits, [s.sparse for s in specs])
+    got_buckets, got_limits = assign_by_size(
+        [s.nbytes for s in specs], [s.dtype for s in specs], limits, [s.sparse for s in specs])
+    assert got_buckets == [list(b) for b in want_buckets]
+    assert got_limits == list(want_limits)
+    plan = rebuild_plan(plan_buckets(specs, 0.01, 0.001), list(range(len(specs))), 0.01, 0.001)
+    assert [b.sparse for b in plan.buckets] == [len(b.params) == 1 and specs[b.params[0]].sparse for b in plan.buckets]
+    assert BucketPlan.from_json(plan.to_json()) == plan
+    assert ('"sparse"' in plan.to_json()) == any(s.sparse for s in specs)
+
+
+@pytest.mark.parametrize("seed", range(100))
 def test_plan_is_pytorch_assignment_of_reversed_params(seed):
     """Native DDP rebuilds its buckets from the gradient-ready order with limits
     [first_bucket_cap, bucket_cap]; our initial plan is that assignment over

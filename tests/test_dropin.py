@@ -27,6 +27,7 @@ SCENARIOS = [
     "post_accumulate_hook_after_wrap", "unused_buckets_as_native", "buffer_registered_after_wrap",
     "complex_allreduce_hook", "pruned_after_wrap", "frozen_teacher", "static_graph_dataclass_output", "checkpoint_state_dict",
     "forwards_per_backward", "fused_sgd", "fused_adam",
+    "sparse_adam", "sparse_nosync", "sparse_view_static", "sparse_hook", "sparse_join",
 ]
 
 
@@ -53,6 +54,16 @@ def test_trains_exactly_like_native_ddp(results, scenario):
         assert row.get("ranks_agree", True), row  # static_graph with a dataclass output: the ranks stay in step
         assert row.get("keys_as_native", True) and row.get("loaded_into_bare", True), row  # checkpoint_state_dict
         assert row.get("grad_strides_as_native", True), row  # channels_last: .grad laid out as native's
+
+
+def test_a_sparse_table_unused_on_some_ranks_trains_as_its_dense_twin(results):
+    """find_unused_parameters with an nn.EmbeddingBag(sparse=True) used on some ranks only, where native's
+    reducer fails: an empty sparse gradient from the others; the ranks stay equal, and the training is
+    the dense tables' (sparse=False) but for the order repeated rows are summed in."""
+    n, rows, transport = results
+    _, got = mpi.each_rank((n, rows), f"sparse_unused_vs_dense/{transport}")
+    for row in got:
+        assert row["ranks_agree"] and row["max_diff"] <= 1e-6, row
 
 
 def test_a_hook_that_grows_its_buffer(results):

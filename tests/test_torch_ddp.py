@@ -126,7 +126,8 @@ BAD = [
     ("last_frozen_on_one_rank", ("c10d",), r"wrap different trainable parameters: '2\.weight', '2\.bias' only on rank 0, none only on rank 1 -- the other rank built its model without them, or set requires_grad=False on them \(which leaves them out of its plan\)"),
     ("buffers_flag_differs", TRANSPORTS, r"broadcast_buffers/forward_sync_buffers is True on rank 0 but False on rank 1"),
     ("transport_differs", ("c10d",), r"transport is 'c10d' on rank 0 but 'mpi' on rank 1"),
-    ("sparse_gradient", TRANSPORTS, r"parameter 'weight' has a torch\.sparse_coo gradient; portddp reduces dense gradients only \(e\.g\. use nn\.Embedding\(sparse=False\)\)"),
+    ("sparse_gradient_outside_embedding", TRANSPORTS, r"parameter 'weight' has a torch\.sparse_coo gradient, but it is not the weight of an nn\.Embedding or nn\.EmbeddingBag with sparse=True"),
+    ("sparse_on_one_rank", ("c10d",), r"model mismatch across ranks: parameter #0 is 'weight' \(10, 4\) float32 on rank 0 but 'weight' \(10, 4\) float32 with a sparse gradient \(nn\.Embedding\(sparse=True\)\) on rank 1"),
     ("backward_twice", ("c10d",), r"gradient of '(weight|bias)' arrived outside a DDP iteration: run one backward per forward"),
     ("modified_after_wrap", ("mpi",), r"the module's trainable parameters changed after DistributedDataParallel wrapped it: 2 then, 4 now \(added: \['1\.weight', '1\.bias'\]"),
     ("double_on_one_rank", TRANSPORTS, r"the ranks met in different collectives -- .*model check after a re-plan.*\(this is "

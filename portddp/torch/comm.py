@@ -148,7 +148,37 @@ class MPIComm(_Comm):
         return self.transport.is_shared(_numpy_view(tensor))
 
     def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future:
+        if tensor.is_sparse:
+            return self._allreduce_sparse(tensor)
         return self.allreduce_timed(tensor, None)
+
+    def _allreduce_sparse(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Gloo's sparse all-reduce on MPI, with Gloo's arithmetic: every rank's coalesced indices and
+        values gathered, their sparse tensors added in rank order and coalesced, the sum written into
+        `tensor` (in place, as Gloo does)."""
+        fut = torch.futures.Future()
+        mine = tensor.coalesce()
+        values = mine._values().contiguous()
+        dtype, shape = values.dtype, tuple(values.shape)
+
+        def add(everyone):  # on the comm thread
+            total = None
+            for indices, raw, rows in everyone:
+                part = torch.sparse_coo_tensor(torch.from_numpy(indices), torch.from_numpy(raw).view(dtype).reshape(
+                    rows), tensor.shape, check_invariants=False)
+                total = part if total is None else total + part
+            tensor.copy_(total.coalesce())
+            return tensor
+
+        def resolve(handle):  # on the comm thread
+            if handle._error is not None:
+                fut.set_exception(handle._error)
+            else:
+                fut.set_result(handle.result)
+
+        self.transport.allgather_object_async((mine._indices().numpy(), values.view(-1).view(torch.uint8).numpy(),
+                                               shape), then=add, on_done=resolve)
+        return fut
 
     def allreduce_timed(self, tensor: torch.Tensor, event) -> torch.futures.Future:
         """DDP's bucket all-reduce, `event.done_ns` (if an event is given) stamped when the comm

@@ -106,7 +106,9 @@ class GradBucket(GradBucketCommon):
     def gradients(self) -> list[torch.Tensor]:
         """One view of the bucket buffer per parameter, shaped like it -- of the buffer now, as
         native's: after set_buffer(a float16 copy), float16 views of the copy
-        (fp16_compress_wrapper(powerSGD_hook) relies on it)."""
+        (fp16_compress_wrapper(powerSGD_hook) relies on it). A sparse gradient's bucket: the gradient."""
+        if self._buffer.is_sparse:
+            return [self._buffer]
         return [self._buffer[off:off + p.numel()].view(p.shape) for p, off in zip(self._params, self._offsets)]
 
     def parameters(self) -> list:
@@ -270,6 +272,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._registrations = registrations()  # parameters, buffers, modules (re)assigned so far
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
+        self._expect_sparse = _sparse_gradient_expected(module, self._params)
         self.device = self._params[0].device
         self.device_type = self.device.type
         specs = self._specs()
@@ -369,8 +372,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
 
     # ---- construction
     def _specs(self) -> list[ParamSpec]:
-        return [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type)
-                for n, p in zip(self._names, self._params)]
+        return [ParamSpec(n, tuple(p.shape), _dtype_name(p.dtype), p.device.type, sparse)
+                for n, p, sparse in zip(self._names, self._params, self._expect_sparse)]
 
     def _verify_same_model(self, specs: list[ParamSpec], frozen: bool = False, what: str = "model check") -> list:
         """Compare every rank's parameter list (and, with `frozen`, its frozen parameters') with
@@ -383,7 +386,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                                if n not in self.parameters_to_ignore) if self._check_buffers else None
         with watchdog.waiting():
             # (with no values' fingerprint: this DDP broadcasts rank 0's values at construction)
-            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], None, mine, buffers,
+            everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) + (("sparse",) if s.sparse else ())
+                                                     for s in specs], None, mine, buffers,
                                                     [_dense_strides(p) for p in self._params]])
         check_same_specs([e[0] for e in everyone], "model mismatch across ranks", "parameter", "trainable parameters",
                          frozen=[e[2] if len(e) > 2 else None for e in everyone])  # (a JAX rank sends two items)
@@ -417,15 +421,20 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _install_plan(self, plan: BucketPlan) -> None:
         """Allocate one flat buffer per bucket and a view of it per parameter."""
         self._plan = plan
-        # (transport="mpi" on one host: inside the shared-memory window, reduced where they lie)
-        self._bucket_buffers = [self._comm.zeros(b.numel, getattr(torch, b.dtype), self.device) for b in plan.buckets]
+        # (transport="mpi" on one host: inside the shared-memory window, reduced where they lie; a sparse
+        # gradient's bucket has none: the gradient itself is reduced, as native's reducer does)
+        self._bucket_buffers = [self._comm.zeros(0 if b.sparse else b.numel, getattr(torch, b.dtype), self.device)
+                                for b in plan.buckets]
+        self._sparse_buckets = {b for b, bucket in enumerate(plan.buckets) if bucket.sparse}
+        self._sparse_grads: dict[int, torch.Tensor] = {}  # this iteration's, per sparse bucket, until reduced
+        self._sparse_results: dict[int, torch.Tensor] = {}  # ... then reduced
         # On c10d the last bucket also carries the iteration's used counts (see _finalize): its
         # buffer is the head of one with a tail for them, all-reduced together when no comm hook
         # is registered -- one Gloo collective fewer per step, whose round trip native DDP
         # does not pay either. (Counts and step slots are small integers: exact in float32.)
         self._tail = None
         if self.transport == "c10d" and self.world_size > 1 and plan.buckets and (
-                plan.buckets[-1].dtype in ("float32", "float64")):
+                plan.buckets[-1].dtype in ("float32", "float64")) and not plan.buckets[-1].sparse:
             last = plan.buckets[-1]
             self._last_full = self._comm.zeros(last.numel + 2 * len(self._params) + self.world_size,
                                                getattr(torch, last.dtype), self.device)
@@ -437,6 +446,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             for i, off in zip(bucket.params, bucket.offsets):
                 p = self._params[i]
                 self._bucket_of[i] = b
+                if bucket.sparse:  # (no slot: a stand-in of p's shape, dtype and device over one element)
+                    self._views[i] = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+                    continue
                 # In p's memory order where every rank agreed (channels_last, say: as native's reducer,
                 # so a comm hook reading bucket.gradients() -- C-order views of the slot, as native's --
                 # sees native's arrangement, and with gradient_as_bucket_view .grad has p's strides),
@@ -808,7 +820,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if not self._rebuilt:
             self._ready_order.append(i)
         self._events.backward_end_ns = now
-        if self.check_finite and param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+        if self.check_finite and param.grad is not None and not bool(torch.isfinite(
+                param.grad._values() if param.grad.is_sparse else param.grad).all()):
             self._nonfinite[i] = 1
         self._pack(i, param)
         b = self._bucket_of[i]
@@ -821,6 +834,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _pack(self, i: int, param: torch.Tensor) -> None:
         """Put param i's gradient in its bucket slot, divided unless a hook will divide."""
         grad, view = param.grad, self._views[i]
+        if self._sparse_buckets and self._bucket_of[i] in self._sparse_buckets:
+            self._pack_sparse(i, grad)
+            return
         if grad is None:  # an undefined gradient, counted as zeros (see _make_hook)
             view.zero_()
             return
@@ -828,8 +844,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             grad = self._first_order(i, grad)
         if grad.layout != torch.strided:
             raise RuntimeError(
-                f"parameter {self._names[i]!r} has a {grad.layout} gradient; portddp reduces dense gradients only "
-                "(e.g. use nn.Embedding(sparse=False))"
+                f"parameter {self._names[i]!r} has a {grad.layout} gradient, but it is not the weight of an "
+                "nn.Embedding or nn.EmbeddingBag with sparse=True, whose gradients DistributedDataParallel "
+                "expects sparse and reduces alone (native's rule too: its reducer fails on this one). Make it such "
+                "a module's weight, or give it a dense gradient"
             )
         if self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():  # already in place
             if self._hook is None:
@@ -843,6 +861,21 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if self.gradient_as_bucket_view and not param.grad.requires_grad:
             param.grad = view
 
+    def _pack_sparse(self, i: int, grad: torch.Tensor | None) -> None:
+        """Param i's sparse gradient is its bucket: divided in place (unless a hook will divide) and
+        reduced itself, the reduced sum copied back into it -- as native's reducer does. No gradient
+        here (unused on this rank): an empty one, so the collectives still pair."""
+        if grad is None:
+            grad = _empty_sparse(self._params[i])
+        elif not grad.is_sparse:
+            raise RuntimeError(
+                f"parameter {self._names[i]!r}, the weight of an nn.Embedding/EmbeddingBag built with sparse=True, got "
+                f"a {grad.layout} gradient; DistributedDataParallel planned it as sparse when it was built (native's "
+                "reducer fails here too). Keep the module's `sparse` as it was when wrapped, or wrap it again")
+        elif self._hook is None:
+            grad.div_(self._divisor)
+        self._sparse_grads[self._bucket_of[i]] = grad
+
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._bucket_buffers) and self._pending[self._next_launch] == 0:
             self._launch(self._next_launch)
@@ -851,7 +884,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _launch(self, b: int) -> None:
         ev = self._events.buckets[b]
         ev.launch_ns = _now()
-        buffer = self._bucket_buffers[b]
+        buffer = self._sparse_grads[b] if self._sparse_buckets and b in self._sparse_buckets else self._bucket_buffers[b]
         if b == len(self._bucket_buffers) - 1 and self._carries_used():
             # (every gradient is in, or counted missing, by the time the last bucket goes out)
             _put_counts(self._tail, self._local_flags(), 2 * len(self._params), self.rank, self._step_slot())
@@ -866,15 +899,20 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         """Launch bucket b's reduction (the comm hook's, or a plain all-reduce); `event.done_ns` is
         stamped when it completes."""
         self._issue(f"bucket {b}")
-        if self._hook is None:
+        if self._hook is None and not buffer.is_sparse:
             return self._comm.allreduce_timed(buffer, event) if event is not None else self._comm.allreduce(buffer)
+        if self._hook is None:  # (a sparse gradient: Gloo's sparse all-reduce, or its equal on MPI)
+            fut = self._comm.allreduce(buffer)
+            if event is not None:
+                fut.add_done_callback(lambda _fut: setattr(event, "done_ns", _now()))
+            return fut
         # A new GradBucket each time, as native hands out: hooks may set_buffer() on it. On c10d its
         # buffer() is a tensor of its own over the bucket's memory: a hook that pads it with resize_()
         # (as batched_powerSGD_hook does) grows that tensor, not the bucket the gradients are packed into.
         # (MPI's buckets are numpy's memory, shared or not, which cannot grow at all.)
         try:
-            fut = self._hook(self._hook_state, self._grad_bucket(b, buffer.view(-1) if self.transport == "c10d"
-                                                                  else buffer))
+            fut = self._hook(self._hook_state, self._grad_bucket(
+                b, buffer.view(-1) if self.transport == "c10d" and not buffer.is_sparse else buffer))
         except RuntimeError as e:
             if self.transport != "mpi" or "not resizable" not in str(e):
                 raise
@@ -895,6 +933,16 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _check_hook_result(self, b: int, result) -> torch.Tensor:
         """Native's contract: the future's value is one tensor shaped like the bucket."""
         tensor = _tensor_of(result)
+        if b in self._sparse_buckets:
+            p = self._params[self._plan.buckets[b].params[0]]
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_sparse and tensor.shape == p.shape):
+                got = (f"a {tuple(tensor.shape)} {tensor.layout} tensor" if isinstance(tensor, torch.Tensor)
+                       else type(result).__name__)
+                raise RuntimeError(
+                    f"comm hook {_hook_name(self._hook)}'s future for bucket {b} resolved to {got}, but the bucket "
+                    f"holds the sparse gradient of {tuple(p.shape)} {self._names[self._plan.buckets[b].params[0]]!r}: "
+                    "return the reduced sparse tensor (bucket.buffer() after its all-reduce)")
+            return tensor
         expected = self._bucket_buffers[b]
         if (expected.is_complex() and isinstance(tensor, torch.Tensor) and tensor.numel() == 2 * expected.numel()
                 and tensor.dtype == _REAL_OF.get(expected.dtype)):
@@ -931,6 +979,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             p = self._params[i]
             if self.find_unused_parameters and p.grad is not None:
                 self._pack(i, p)
+            elif self._sparse_buckets and self._bucket_of[i] in self._sparse_buckets:
+                self._pack_sparse(i, None)
             else:
                 self._views[i].zero_()
             self._pending[self._bucket_of[i]] -= 1
@@ -959,6 +1009,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         with watchdog.waiting():
             for b, fut in enumerate(self._futures):
                 result = self._check_hook_result(b, fut.wait()) if self._hook is not None else _tensor_of(fut.wait())
+                if self._sparse_buckets and b in self._sparse_buckets:
+                    self._finish_sparse(b, result)
+                    continue
                 # (not for an empty bucket: its data_ptr() is 0, and on c10d its result is the
                 # buffer with the used counts' tail)
                 if result.data_ptr() != self._bucket_buffers[b].data_ptr() and self._bucket_buffers[b].numel():
@@ -992,6 +1045,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if any(nonfinite):
             self._raise_nonfinite()
         self._write_grads([i for i, c in enumerate(counts) if c and not (early_write and self._seen[i])])
+
+    def _finish_sparse(self, b: int, result: torch.Tensor) -> None:
+        """A sparse bucket's reduced sum into the gradient that was reduced (native copies it the same way);
+        a rank that had none gets it at _write_grads, if some rank had one."""
+        grad = self._sparse_grads.pop(b)
+        if result is not grad:
+            grad.copy_(result)
+        self._sparse_results[b] = grad
 
     def _local_flags(self) -> bytes:
         """This iteration's flags, computed once: the parameters used by this rank since the
@@ -1036,6 +1097,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         for i in indices:
             p, view = params[i], bucket_views[i]
             grad = p.grad
+            if self._sparse_buckets and self._bucket_of[i] in self._sparse_buckets:
+                if grad is None:  # (where this rank had one, it was reduced in place)
+                    p.grad = self._sparse_results[self._bucket_of[i]]
+                continue
             if grad is None:
                 p.grad = view if as_view else view.clone()
             elif grad.requires_grad:  # create_graph=True: keep its local graph
@@ -1065,7 +1130,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             return  # the others run a local (no_sync) or no_grad forward
         if not self._hooks_agreed:
             self._agree_on_next_hook()
-        zeros = [torch.zeros_like(buf) for buf in self._bucket_buffers]
+        zeros = [_empty_sparse(self._params[self._plan.buckets[b].params[0]]) if b in self._sparse_buckets
+                 else torch.zeros_like(buf) for b, buf in enumerate(self._bucket_buffers)]
         # With find_unused_parameters, native's joined rank contributes the used map of its last
         # reduction (kept up to date by every shadow one): what was used then counts as used now,
         # so the others write zeros (their mean) into those .grad rather than leaving them alone.
@@ -1160,6 +1226,23 @@ def _put_counts(out: torch.Tensor, flags: bytes, slots_at: int, rank: int, slot:
     if flags:
         out[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
     out[slots_at + rank] = slot
+
+
+def _sparse_gradient_expected(module: nn.Module, params: list) -> list[bool]:
+    """Native's rule: a parameter's gradient is expected sparse when the first module holding it
+    (in named_modules order) is an nn.Embedding or nn.EmbeddingBag built with sparse=True."""
+    first: dict[int, nn.Module] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            first.setdefault(id(p), m)
+    return [isinstance(m := first.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(m.sparse) for p in params]
+
+
+def _empty_sparse(param: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of `param` with no entries, laid out as an embedding's (rows sparse, the rest dense)."""
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long, device=param.device),
+                                   torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
+                                   param.shape, check_invariants=False)
 
 
 def _tensor_of(value) -> torch.Tensor:

@@ -119,9 +119,19 @@ def run(case: str, transport: str) -> None:
                                 transport=transport)
     elif case == "transport_differs":
         DistributedDataParallel(nn.Linear(4, 4), transport="mpi" if last else "c10d")
-    elif case == "sparse_gradient":
-        ddp = DistributedDataParallel(nn.Embedding(10, 4, sparse=True), transport=transport)
+    elif case == "sparse_gradient_outside_embedding":  # (nn.Embedding(sparse=True)'s own are reduced: test_dropin)
+        class Table(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = nn.Parameter(torch.randn(10, 4))
+
+            def forward(self, ids):
+                return nn.functional.embedding(ids, self.weight, sparse=True)
+
+        ddp = DistributedDataParallel(Table(), transport=transport)
         ddp(torch.tensor([1, 2, 3])).sum().backward()
+    elif case == "sparse_on_one_rank":
+        DistributedDataParallel(nn.Embedding(10, 4, sparse=last), transport=transport)
     elif case == "backward_twice":
         ddp = DistributedDataParallel(nn.Linear(4, 4), transport=transport)
         out = ddp(torch.randn(2, 4)).sum()

@@ -9,6 +9,7 @@ the largest difference of parameters and buffers (bitwise expected at n=2)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -889,6 +890,104 @@ def checkpoint_state_dict(transport):
            and keys[2] == keys[3] and not any(k.startswith("module.") for k in keys[1]), loaded_into_bare=loaded)
 
 
+class SparseNet(nn.Module):
+    """Embedding tables with sparse gradients (nn.Embedding / nn.EmbeddingBag(sparse=True)) before a
+    dense head: native DDP reduces each such gradient alone, as a sparse tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(77)
+        self.emb = nn.Embedding(40, 6, sparse=True)
+        self.bag = nn.EmbeddingBag(30, 6, mode="sum", sparse=True)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, ids, bag_ids=None):
+        h = self.emb(ids).mean(1)
+        return self.fc(h if bag_ids is None else h + self.bag(bag_ids))
+
+
+def sparse_loss(ddp, step, rank, use_bag=True):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids, bag_ids = torch.randint(0, 40, (5, 4), generator=g), torch.randint(0, 30, (5, 3), generator=g)
+    return ddp(ids, bag_ids if use_bag else None).square().mean()
+
+
+def sparse_embeddings(transport):
+    """Sparse gradients, as native reduces them (Gloo's sparse all-reduce; on MPI the same arithmetic):
+    SparseAdam beside Adam; a table used on some ranks only (find_unused_parameters); no_sync
+    accumulation; gradient_as_bucket_view with static_graph; a comm hook (PyTorch's allreduce_hook,
+    which gets the sparse gradient as its bucket's buffer); join() with uneven inputs."""
+    rank = dist.get_rank()
+
+    def pair_sparse(**kw):
+        return NativeDDP(SparseNet(), **kw), DistributedDataParallel(SparseNet(), transport=transport, **kw)
+
+    def adam(ddp):
+        m = ddp.module
+        opts = [torch.optim.SparseAdam([m.emb.weight, m.bag.weight], lr=0.05), torch.optim.Adam(m.fc.parameters(), lr=0.05)]
+        for step in range(4):
+            for opt in opts:
+                opt.zero_grad()
+            sparse_loss(ddp, step, rank).backward()
+            for opt in opts:
+                opt.step()
+
+    def sgd(micro=1, use_bag=lambda step: True):
+        def train(ddp):
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for step in range(4):
+                opt.zero_grad()
+                for k in range(micro):
+                    with ddp.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                        sparse_loss(ddp, micro * step + k, rank, use_bag(micro * step + k)).backward()
+                opt.step()
+        return train
+
+    def layouts(ddp):  # (after training: the reduced gradients are sparse and coalesced, as native's)
+        return [(p.grad.layout, p.grad.is_coalesced()) for p in (ddp.module.emb.weight, ddp.module.bag.weight)]
+
+    for name, kw, train in (
+            ("sparse_adam", {"bucket_cap_mb": CAP_MB}, adam),
+            ("sparse_nosync", {}, sgd(micro=2)),
+            ("sparse_view_static", {"gradient_as_bucket_view": True, "static_graph": True}, sgd())):
+        native, ours = pair_sparse(**kw)
+        compare(name, transport, native, ours, train, grad_as_native=lambda: layouts(ours) == layouts(native))
+
+    native, ours = pair_sparse()
+    for ddp in (native, ours):
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    compare("sparse_hook", transport, native, ours, sgd())
+
+    def uneven_sparse(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with ddp.join():
+            for step in range(2 + rank):
+                opt.zero_grad()
+                sparse_loss(ddp, step, rank).backward()
+                opt.step()
+
+    native, ours = pair_sparse()
+    compare("sparse_join", transport, native, ours, uneven_sparse)
+
+    # A table used on some ranks only (find_unused_parameters), where native's reducer fails ("Expected
+    # sparse gradient to be defined"): portddp reduces an empty gradient for it there. Against the same
+    # training with dense tables (sparse=False), which differs only in how repeated rows are summed.
+    def dense_tables(m):
+        m.emb.sparse = m.bag.sparse = False
+        return m
+
+    sparse, dense = (DistributedDataParallel(m, transport=transport, find_unused_parameters=True, bucket_cap_mb=CAP_MB)
+                     for m in (SparseNet(), dense_tables(SparseNet())))
+    train = sgd(use_bag=lambda step: (step + rank) % 2 == 0)
+    train(sparse)
+    train(dense)
+    diff, _ = max_diff(sparse.module, dense.module)
+    mine = torch.cat([p.detach().reshape(-1) for p in sparse.module.parameters()])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    report(f"sparse_unused_vs_dense/{transport}", max_diff=diff, ranks_agree=all(torch.equal(e, mine) for e in everyone))
+
+
 def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
@@ -897,7 +996,8 @@ SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, un
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
-             static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward, fused_optim]
+             static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward, fused_optim,
+             sparse_embeddings]
 
 
 def main():
