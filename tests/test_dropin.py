@@ -28,6 +28,7 @@ SCENARIOS = [
     "complex_allreduce_hook", "pruned_after_wrap", "frozen_teacher", "static_graph_dataclass_output", "checkpoint_state_dict",
     "forwards_per_backward", "fused_sgd", "fused_adam",
     "sparse_adam", "sparse_nosync", "sparse_view_static", "sparse_hook", "sparse_join",
+    "sink_find_unused", "sink_find_unused_nosync", "sink_static_graph", "sink_plain", "sink_sigmoid_clamped",
 ]
 
 

@@ -574,9 +574,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self.require_forward_param_sync = grad_sync
         if grad_sync:
             self._events.forward_end_ns = _now()
-            if self.static_graph:
-                output = self._through_sink(output)
         if torch.is_grad_enabled():
+            # Native's _DDPSink, where native passes the outputs through it -- find_unused_parameters
+            # (no_sync forwards too), static_graph's first iteration: outputs with a grad_fn are cloned
+            # there, which a script that changes one in place, or returns one tensor twice, can tell.
+            if self.find_unused_parameters and not self.static_graph or self.static_graph and self._static_hooks is None:
+                output = self._through_sink(output)
             self._mark_backward_source(output, grad_sync)
         return output
 

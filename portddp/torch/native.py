@@ -3,7 +3,7 @@
 portddp.torch.DistributedDataParallel takes native's arguments and is a
 drop-in replacement, so it carries native's surface: its argument checks (with
 native's words), the `Joinable` glue behind `ddp.join()` / `Join([ddp])`, the
-static-graph output sink, delayed all-reduce parameters and a few attributes
+output sink (native's _DDPSink), delayed all-reduce parameters and a few attributes
 native scripts touch. They live here, mixed into the class, so that
 portddp/torch/ddp.py and portddp/jax/ddp.py differ only where the frameworks
 force them to.
@@ -44,11 +44,14 @@ def registrations() -> int:
     return _Registrations.count
 
 
-class _StaticGraphSink(torch.autograd.Function):
-    """static_graph=True: the forward's outputs pass through here, and its backward -- the
-    first node of the outermost backward pass -- queues the end-of-backward callback there.
-    Reentrant backward passes (activation checkpointing with use_reentrant=True) run their
-    gradient hooks inside a nested pass; the callback must not end the iteration with it."""
+class _DDPSink(torch.autograd.Function):
+    """Native's _DDPSink: with find_unused_parameters, and in static_graph's first iteration, the
+    forward's outputs that have a grad_fn pass through here, cloned (as native's: a script may
+    change one in place, or return one tensor under two names), and its backward -- a node of the
+    outermost backward pass -- queues the end-of-backward callback there. (Reentrant backward passes,
+    activation checkpointing with use_reentrant=True, run their gradient hooks inside a nested pass;
+    the callback must not end the iteration with it. static_graph's later iterations queue it from
+    the outputs' grad_fn pre-hook: backward_recorder.)"""
 
     @staticmethod
     def forward(ctx, ddp_ref, *tensors):
@@ -130,6 +133,8 @@ def backward_recorder(ddp) -> Callable:
         owner = ref()
         if owner is not None:
             owner._ddp_backward_task = torch._C._current_graph_task_id()
+            if owner.static_graph and owner._expect_grads:  # (from the outermost pass, as _DDPSink's backward)
+                owner._queue_finalize()
 
     return record
 
@@ -345,10 +350,10 @@ class NativeInterface:
     # -- join() and static_graph: what the forward and end of backward call
     def _through_sink(self, output):
         leaves, spec = torch.utils._pytree.tree_flatten(output)
-        idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        idx = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if not idx:
             return output
-        passed = _StaticGraphSink.apply(weakref.ref(self), *[leaves[k] for k in idx])
+        passed = _DDPSink.apply(weakref.ref(self), *[leaves[k] for k in idx])
         for k, t in zip(idx, passed):
             leaves[k] = t
         return torch.utils._pytree.tree_unflatten(leaves, spec)

@@ -890,6 +890,62 @@ def checkpoint_state_dict(transport):
            and keys[2] == keys[3] and not any(k.startswith("module.") for k in keys[1]), loaded_into_bare=loaded)
 
 
+class Twice(nn.Module):
+    """One tensor returned under two names (as HF models return the last hidden state twice)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.l = nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        h = self.l(x)
+        return {"logits": h, "feat": h}
+
+
+def outputs_through_the_sink(transport):
+    """Native passes the outputs through its _DDPSink (clones) with find_unused_parameters (no_sync
+    forwards too) and in static_graph's first iteration only (an audit, 2026-12-07: portddp cloned in
+    every static_graph iteration and never with find_unused_parameters). A script that scales one
+    of two aliased outputs in place, and one that clamps a sigmoid output in place (an error on
+    autograd's saved output unless it is a clone), train as native."""
+    rank = dist.get_rank()
+
+    def aliased(micro):
+        def train(ddp):
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+            for step in range(3):
+                opt.zero_grad()
+                for k in range(micro):
+                    with ddp.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                        out = ddp(batch(micro * step + k, rank)[0])
+                        out["logits"].mul_(2.0)
+                        out["feat"].pow(2).sum().backward()
+                opt.step()
+        return train
+
+    for name, kw, micro in (("sink_find_unused", {"find_unused_parameters": True}, 1),
+                            ("sink_find_unused_nosync", {"find_unused_parameters": True}, 2),
+                            ("sink_static_graph", {"static_graph": True}, 1),
+                            ("sink_plain", {}, 1)):
+        native, ours = (NativeDDP(Twice(), **kw), DistributedDataParallel(Twice(), transport=transport, **kw))
+        compare(name, transport, native, ours, aliased(micro))
+
+    def clamped(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(3):
+            opt.zero_grad()
+            x, y = batch(step, rank)
+            out = ddp(x)
+            out.clamp_(1e-4, 1 - 1e-4)
+            nn.functional.binary_cross_entropy(out, torch.sigmoid(y)).backward()
+            opt.step()
+
+    native, ours = pair(transport, ddp_kw={"find_unused_parameters": True},
+                        edit=lambda m: nn.Sequential(m, nn.Sigmoid()))
+    compare("sink_sigmoid_clamped", transport, native, ours, clamped)
+
+
 class SparseNet(nn.Module):
     """Embedding tables with sparse gradients (nn.Embedding / nn.EmbeddingBag(sparse=True)) before a
     dense head: native DDP reduces each such gradient alone, as a sparse tensor."""
@@ -997,7 +1053,7 @@ SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, un
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
              static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward, fused_optim,
-             sparse_embeddings]
+             sparse_embeddings, outputs_through_the_sink]
 
 
 def main():
