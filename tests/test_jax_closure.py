@@ -131,3 +131,38 @@ def test_a_methods_instance_attributes_it_reads():
     assert watch.changed() is None
     trainer.temperature = 4.0
     assert watch.changed() == "self.temperature"
+
+
+class ScaledLoss:
+    """A loss object (a callable class), as some training loops keep one."""
+
+    def __init__(self):
+        self.temperature, self.calls = 2.0, 0
+
+    def __call__(self, p, x):
+        return jnp.sum(p * x) / self.temperature
+
+
+HP = type("HP", (), {})()  # a global hyper-parameter holder of the user's (SimpleNamespace alike)
+HP.temperature, HP.epoch = 2.0, 0
+
+
+def reads_a_global_objects_attribute(p, x):
+    return jnp.sum(p * x) / HP.temperature
+
+
+def test_a_loss_objects_attributes_and_a_global_objects_attributes_it_reads():
+    """Found by an audit: a callable loss object's attributes, and a global object's (`hp.temperature`),
+    went into the program as they were at the first call, silently."""
+    loss = ScaledLoss()
+    watch = learnt(loss, jnp.ones(2), jnp.ones(2))
+    loss.calls += 1  # not read by __call__
+    assert watch.changed() is None
+    loss.temperature = 4.0
+    assert watch.changed() == "self.temperature"
+
+    watch = learnt(reads_a_global_objects_attribute, jnp.ones(2), jnp.ones(2))
+    HP.epoch += 1
+    assert watch.changed() is None
+    HP.temperature = 4.0
+    assert watch.changed() == "HP.temperature"

@@ -10,13 +10,16 @@ ones instead of silently computing with the old.
 
 Found: loss_fn's closure cells and the globals its code loads (nested lambdas and
 comprehensions included), a functools.partial's arguments, the attributes a bound method
-reads from its instance, and the same in the functions of the user's own code these name, a
-few calls deep (library code is not searched). JAX arrays -- alone, in pytrees, in a Flax NNX
+reads from its instance -- also a callable object's, whose `__call__` is that method -- and
+of an object of the user's that a closure cell or global holds (`hp.temperature`, by the
+attribute names the code loads), and the same in the functions of the user's own code these
+name, a few calls deep (library code is not searched). JAX arrays -- alone, in pytrees, in a Flax NNX
 module -- are watched by identity, and only those the trace made constants (`learn`): a new
 value is a new object, a JAX array being immutable (an NNX Variable's value too); numpy arrays
 by identity; numbers and strings bound to a name by value. Not seen: a number inside a
 container (the trace inlines numbers: whether it read one cannot be told), a numpy array
-changed in place, and values reached through a module or class attribute (`config.scale`).
+changed in place, values reached through a module or class attribute (`config.scale` where
+`config` is a module), and attributes two objects deep (`cfg.optim.scale`).
 """
 
 from __future__ import annotations
@@ -99,20 +102,28 @@ def _snapshot(fn) -> list[tuple[str, list]]:
     found: list[tuple[str, list]] = []
     seen: set[int] = set()
 
-    def consider(name: str, value, depth: int) -> None:
+    def consider(name: str, value, depth: int, attrs: tuple[str, ...] = ()) -> None:
+        """`attrs`: the attribute names the code that reads `value` loads (for an object of the user's)."""
         if isinstance(value, _SCALARS):
             found.append((name, [value]))
-        elif isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+        elif isinstance(value, (types.FunctionType, types.MethodType, functools.partial)) or _call_of(value):
             visit(value, depth - 1, name)
         else:
             values = _arrays_of(value)
             if values:
                 found.append((name, values))
+            elif attrs and _is_users_object(value):  # (hp.temperature: one level deep)
+                for attr in attrs:
+                    if attr in vars(value):
+                        consider(f"{name}.{attr}", vars(value)[attr], depth)
 
     def visit(f, depth: int, where: str) -> None:
         if depth < 0 or id(f) in seen:
             return
         seen.add(id(f))
+        if (call := _call_of(f)) is not None:  # a callable object: its __call__, bound (self.temperature)
+            visit(types.MethodType(call, f), depth, where)
+            return
         if isinstance(f, functools.partial):
             for i, arg in enumerate(f.args):
                 consider(f"{where} (partial argument {i})", arg, depth + 1)
@@ -134,19 +145,37 @@ def _snapshot(fn) -> list[tuple[str, list]]:
         if not isinstance(f, types.FunctionType) or (f.__module__ or "").split(".")[0] in _LIBRARIES:
             return
         code = f.__code__
+        attrs = _attributes_of(code)
         for name, cell in zip(code.co_freevars, f.__closure__ or ()):
             try:
                 value = cell.cell_contents
             except ValueError:  # (a cell not yet assigned)
                 continue
-            consider(name, value, depth)
+            consider(name, value, depth, attrs)
         names = f.__globals__
         for name in _names_of(code):
             if name in names and not isinstance(names[name], (types.ModuleType, type)):
-                consider(name, names[name], depth)
+                consider(name, names[name], depth, attrs)
 
     visit(fn, _DEPTH, getattr(fn, "__name__", "loss_fn"))
     return found
+
+
+def _is_users_object(value) -> bool:
+    """An instance of a class of the user's own code (not of a library's, not a class or module)."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType))
+            and (type(value).__module__ or "").split(".")[0] not in _LIBRARIES)
+
+
+def _call_of(value):
+    """The `__call__` function of a callable object of the user's (a loss object), else None. (A Flax NNX
+    module is a pytree of arrays: watched as such, not searched as code.)"""
+    if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)) or not _is_users_object(value):
+        return None
+    call = getattr(type(value), "__call__", None)
+    if not isinstance(call, types.FunctionType) or flax_nnx.is_module(value):
+        return None
+    return call
 
 
 @functools.lru_cache(maxsize=1024)

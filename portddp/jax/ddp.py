@@ -46,6 +46,7 @@ checks, agreements) or, for pmap, a LocalComm (portddp/jax/comm.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -119,6 +120,26 @@ class GradBucket(GradBucketCommon):
 
     def parameters(self) -> list[str]:
         return list(self._names)
+
+
+_PROGRAMS_KEPT = 16  # traced programs kept per plan, the least recently used dropped first (_Programs)
+
+
+class _Programs(collections.OrderedDict):
+    """A plan's traced programs, per step function: the `_PROGRAMS_KEPT` most recently used. A script
+    that builds a new loss function at every step (a lambda capturing that step's teacher) gets a new
+    program each time, and each holds what its loss captured: unbounded, they held every step's."""
+
+    def get(self, key, default=None):
+        value = super().get(key, default)
+        if value is not default:
+            self.move_to_end(key)
+        return value
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        while len(self) > _PROGRAMS_KEPT:
+            self.popitem(last=False)
 
 
 class _PlanState(NamedTuple):
@@ -199,6 +220,7 @@ class DistributedDataParallel(DDPCommon):
         self._step_count = 0  # grad_fn calls (sync=False ones included), compared across ranks at every reduction
         self._local_params = None  # the parameters of the last eager sync=False step, while values may differ
         self._buffers_agreed = False  # buffer specs agreed across ranks (first synchronised call): _agree_on_start
+        self._buffers_travel = False  # ... and compared again at every synchronised step (compiled, with buffers)
         self._step_counted = False  # this eager call counted already (else its traced program counts it)
         self._layout = Layout(params, order, canonical)
         self._mixed = False  # a job shared with PyTorch ranks (set below from the config exchange)
@@ -228,6 +250,7 @@ class DistributedDataParallel(DDPCommon):
         self.rank = self._comm.rank
         self._inv_world = 1.0 / self.world_size
         self._values_differ: list[int] = []  # ranks whose parameter values differ from rank 0's (construction)
+        self._values_unknown = False  # ... or whose values were abstract there (jax.eval_shape): compared later
         # (with wrt=, the frozen Params too: ddp.broadcast(model) gives them rank 0's values, as the trained ones)
         self._verify_same_model(specs, _fingerprint([*self._layout.leaves_of(params).values(),
                                                      *flax_nnx.frozen_of(model, wrt)]))
@@ -243,6 +266,8 @@ class DistributedDataParallel(DDPCommon):
         self._callback_errors: list = _CallbackErrors(self)  # what the last eager step's host callbacks raised
         self._tracing_fired: set | None = None  # while a hooked step is traced: the taps whose backward ran
         self._plans: dict[str, _PlanState] = {}
+        self._grad_fns: collections.OrderedDict = collections.OrderedDict()  # (see _grad_fn_for)
+        self._grad_fn_codes: collections.Counter = collections.Counter()
         self._lent = False  # an eager hooked step has lent bucket buffers to the caller (_lend)
         self._install_plan(plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb))
         self._rebuilt = strategy != "hooked"  # XLA schedules the other strategies: nothing to rebuild
@@ -274,9 +299,16 @@ class DistributedDataParallel(DDPCommon):
             everyone = self._comm.allgather_object([[(s.name, s.shape, s.dtype) for s in specs], fingerprint])
         check_same_specs([e[0] for e in everyone], "parameter pytrees differ across ranks", "leaf", "leaves")
         check_same_frozen(everyone)  # (a PyTorch rank's frozen parameters, in a mixed job: a JAX rank has none)
-        prints = [e[1] for e in everyone]  # (None from a PyTorch rank, or for abstract parameters: not compared)
+        prints = [e[1] for e in everyone]  # (None from a PyTorch rank, or for abstract parameters)
+        self._values_unknown = False
         if None not in prints:
             self._values_differ = [r for r, f in enumerate(prints) if f != prints[0]]
+        elif what == "model check" and all(len(e) == 2 for e in everyone):
+            # Built from abstract shapes (jax.eval_shape) on some rank: the values are compared at the first
+            # synchronised step instead, unless broadcast() makes them equal first. (Not in a job with PyTorch
+            # ranks, which issue no such collective.)
+            self._values_differ = [r for r, f in enumerate(prints) if f is None]
+            self._values_unknown = True
 
     def _check_same_values(self, params, traced: bool, frozen=()) -> None:
         """The first synchronised step, if the parameters differed across ranks at construction and
@@ -286,8 +318,8 @@ class DistributedDataParallel(DDPCommon):
         of the Params an NNX model's wrt= leaves out, compared with the trained ones (a replica
         whose frozen base differs trains apart as surely)."""
         differ, self._values_differ = self._values_differ, []
-        if not differ or self.world_size == 1:
-            return
+        if not differ or self.world_size == 1 or traced and self._values_unknown:
+            return  # (under the caller's jit, values unknown at construction stay unknown: nothing to warn of)
         fix = ("every rank must start from the same parameters: call params = ddp.broadcast(params) once after "
                "building DistributedDataParallel (native DDP does this at construction), or initialise them from "
                "the same seed on every rank")
@@ -332,7 +364,7 @@ class DistributedDataParallel(DDPCommon):
         key = plan.to_json()
         if key not in self._plans:
             buffers = self._new_buffers(plan)
-            self._plans[key] = _PlanState(plan, buffers, [self._make_tap(b) for b in range(len(plan.buckets))], {},
+            self._plans[key] = _PlanState(plan, buffers, [self._make_tap(b) for b in range(len(plan.buckets))], _Programs(),
                                           [buffers])
         self._plan, self._buffers, self._taps, self._steps, self._buffer_sets = self._plans[key]
 
@@ -384,6 +416,9 @@ class DistributedDataParallel(DDPCommon):
         With `has_aux=True`, `loss_fn` returns `(loss, aux)` and grad_fn
         `((loss, aux), grads)`, as with `jax.value_and_grad` (aux: this rank's;
         pmap: the first device's). For a Flax nnx.Module, see `nnx_value_and_grad`."""
+        return self._grad_fn_for("value_and_grad", loss_fn, has_aux, lambda: self._value_and_grad(loss_fn, has_aux))
+
+    def _value_and_grad(self, loss_fn, has_aux: bool):
         checked = taps.checked_loss(loss_fn, has_aux)
 
         def pure(_static, params, state, batch):
@@ -408,7 +443,37 @@ class DistributedDataParallel(DDPCommon):
         grads is an nnx.State of the model's nnx.Param (the mean over ranks), ready for
         `optimizer.update(model, grads)`; the state the forward changed (BatchStat, RNG counts)
         is written back into `model`. See portddp/jax/flax_nnx.py for buffers and RNG."""
-        return flax_nnx.value_and_grad(self, loss_fn, has_aux)
+        return self._grad_fn_for("nnx_value_and_grad", loss_fn, has_aux,
+                                 lambda: flax_nnx.value_and_grad(self, loss_fn, has_aux))
+
+    def _grad_fn_for(self, kind: str, loss_fn, has_aux: bool, make):
+        """One grad_fn per loss_fn (and has_aux): asked for again with the same loss_fn -- at every step,
+        as Flax's tutorials build nnx.value_and_grad inside their train_step, which under
+        strategy='compiled' or 'pmap' runs eagerly -- it is the same grad_fn, with its traced programs
+        (a new one traced and compiled again at every step: 300-400 ms a step against 7, an audit found).
+        A new function object at every step (a lambda capturing that step's values) gets a new grad_fn,
+        as jax.jit gets a new trace; said once it happens often (the programs kept are bounded:
+        _Programs)."""
+        key = (kind, id(loss_fn), bool(has_aux))
+        held = self._grad_fns.get(key)
+        if held is not None and held[0] is loss_fn:
+            self._grad_fns.move_to_end(key)
+            return held[1]
+        grad_fn = make()
+        self._grad_fns[key] = (loss_fn, grad_fn)
+        while len(self._grad_fns) > _PROGRAMS_KEPT:
+            self._grad_fns.popitem(last=False)
+        code = getattr(loss_fn, "__code__", None) or getattr(getattr(type(loss_fn), "__call__", None), "__code__", None)
+        if code is not None:
+            self._grad_fn_codes[code] += 1
+            if self._grad_fn_codes[code] == 10:
+                warnings.warn(
+                    f"portddp: ddp.{kind}() got a new loss function made by the same code 10 times "
+                    f"({closure.describe(loss_fn)}): each new function object gets a new grad_fn, traced and "
+                    f"compiled again at its first call, as jax.jit does for a new function (the {_PROGRAMS_KEPT} "
+                    "most recent programs are kept). Build grad_fn once, outside the step, and pass what changes "
+                    "as arguments (in the batch, or as state of an NNX model)", RuntimeWarning, stacklevel=3)
+        return grad_fn
 
     def reduce(self, grads):
         """The mean over ranks of (accumulated) local gradients, bucket by bucket in plan order.
@@ -664,6 +729,8 @@ class DistributedDataParallel(DDPCommon):
                 raise ValueError(taps.UNDER_MAP.format(axes=axes))
             if sync and not self._buffers_agreed:
                 self._agree_on_start(state, step=True)
+            elif sync and self._buffers_travel:
+                self._check_buffer_layout(state)
             if traced and self.strategy == "hooked":
                 # Inside the caller's trace: the program is traced once, with today's plan, so the
                 # plan must not change under it -- no rebuild after this. (A rebuild pending from an
@@ -865,8 +932,25 @@ class DistributedDataParallel(DDPCommon):
         if all(e[0] is not None for e in everyone):
             check_same_specs([e[0] for e in everyone], "model buffers (non-Param state, e.g. BatchStat) differ "
                              "across ranks", "buffer", "buffers")
+            # (agreed, so the same on every rank: whether the compiled strategy compares them at every step)
+            self._buffers_travel = self.strategy == "compiled" and bool(everyone[0][0])
         if any(e[1] for e in everyone):
             self._rebuilt, self._rebuild_order = True, None
+
+    def _check_buffer_layout(self, state) -> None:
+        """strategy='compiled', after the first step: the buffers rank 0's replace travel inside the
+        program, in an all_gather sized by each rank's own shapes. Shapes that drifted apart since the
+        first step (a buffer sized by each rank's last batch) aborted the process in XLA's Gloo, or, at
+        equal byte counts, took rank 0's bytes in another shape, silently (an audit). Compared at every
+        synchronised step of a model with buffers -- a digest, one small allgather --, and named on
+        every rank as at the first step."""
+        buffers = state[0] if state is not None else None
+        mine = buffer_layout([(tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in jax.tree.leaves(buffers)])
+        self._issue("buffer layout check")
+        with watchdog.waiting():
+            everyone = self._comm.allgather_object(mine)
+        if len(set(everyone)) > 1:  # (every rank sees it: every rank names the difference)
+            self._agree_on_start(state, step=True)
 
     def _sync_buffers(self, leaves, synchronises: bool = True, src: int | None = None) -> list[np.ndarray]:
         """Rank `src`'s values of these buffers (numpy copies, any dtypes), in one Bcast with a
@@ -891,9 +975,13 @@ class DistributedDataParallel(DDPCommon):
                     first = str(e).splitlines()[0] if str(e) else repr(e)
                     raise RuntimeError(
                         f"broadcast of rank {src}'s buffers (non-Param state, e.g. BatchStat) failed on rank {self.rank} "
-                        f"({type(e).__name__}: {first}); this rank's buffers are {len(arrays)} array(s): {shapes}. "
-                        "Every rank must build the same model (the same buffers); call ddp.broadcast(model) once "
-                        "after building DistributedDataParallel to compare them and start from rank 0's") from e
+                        f"({type(e).__name__}: {first}); this rank's buffers are {len(arrays)} array(s): {shapes} -- "
+                        f"not as many bytes as rank {src}'s. Every rank must hold the same buffers (shapes, dtypes, "
+                        "order) at every step: a buffer the step writes with a shape of its own on some ranks (sized "
+                        "by each rank's batch, whose last one may be smaller) differs -- make it the same on every "
+                        "rank, keep per-rank state out of the model's buffers, or pass broadcast_buffers=False; a "
+                        "model built differently on some ranks: build the same one, and call ddp.broadcast(model) "
+                        "once after building DistributedDataParallel") from e
             if self.rank != src:
                 check_buffer_sync_header(header.tolist(), mine, src, self.rank)
         return arrays

@@ -578,6 +578,60 @@ def per_rank_init_reduce(strategy):
     return "no error"
 
 
+def abstract_init(strategy, apart=True):
+    """Built from abstract shapes (jax.eval_shape: no values to compare at construction), each rank then
+    making its own parameters: the first synchronised step compares them (found by an audit: the
+    replicas trained apart, exit 0); equal ones train."""
+    params = jax.tree.map(lambda x: x + WORLD.rank * apart, init_params())
+    grad_fn = DistributedDataParallel(jax.eval_shape(init_params), strategy=strategy).value_and_grad(loss_fn)
+    loss, _ = grad_fn(params, batch(0))
+    return f"loss={float(loss):.3f}"
+
+
+def grad_fn_built_every_step(strategy):
+    """grad_fn built inside the step (Flax's tutorials' shape, eager under compiled/pmap): the same
+    loss_fn gives the same grad_fn and program (an audit: a new trace and compile at every step, all
+    kept); a new lambda at every step gets a new one, the programs kept bounded, and a warning."""
+    import warnings  # noqa: PLC0415
+
+    params = init_params()
+    ddp = DistributedDataParallel(params, strategy=strategy)
+    same = len({id(ddp.value_and_grad(loss_fn)) for _ in range(3)})
+    for step in range(3):
+        ddp.value_and_grad(loss_fn)(params, batch(step))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(20):
+            ddp.value_and_grad(lambda p, x, k=float(step): loss_fn(p, x) * k)(params, batch(step))
+    programs = sum(len(state.steps) for state in ddp._plans.values())
+    warned = sum("made by the same code 10 times" in str(w.message) for w in caught)
+    return f"grad_fns={same} programs={programs} warned={warned}"
+
+
+def buffer_shape_drifts(strategy, same_bytes=False):
+    """A buffer the step writes with a shape of each rank's own after the first step (sized by the
+    batch, the last one smaller on some ranks): named on every rank -- compiled aborted in XLA's Gloo,
+    or, at equal byte counts, took rank 0's bytes in another shape silently (an audit, 2026-12-07)."""
+    from flax import nnx  # noqa: PLC0415
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(4, 2, rngs=rngs)
+            self.last = nnx.Variable(jnp.zeros((3, 2)))
+
+        def __call__(self, x):
+            seen, y = self.last.get_value().sum(), self.l(x)
+            shape = ((3, 4) if WORLD.rank == 0 else (4, 3)) if same_bytes else y.shape
+            self.last.set_value(jnp.zeros(shape) + y.sum())
+            return y + 0 * seen
+
+    model = Net(nnx.Rngs(0))
+    grad_fn = DistributedDataParallel(model, strategy=strategy).nnx_value_and_grad(lambda m, x: jnp.mean(m(x)))
+    for step in range(3):
+        grad_fn(model, batch(step, rows=3 + (step > 0) * WORLD.rank))
+    return "no error"
+
+
 def broadcast_then_step():
     """The same per-rank initialisation, then ddp.broadcast(): legal, no extra check."""
     params = jax.tree.map(lambda x: x + WORLD.rank, init_params())
@@ -674,6 +728,12 @@ CASES = {
     "per_rank_init_reduce_hooked": lambda: per_rank_init_reduce("hooked"),
     "per_rank_init_reduce_compiled": lambda: per_rank_init_reduce("compiled"),
     "per_rank_init_compiled": lambda: per_rank_init("compiled"),
+    **{f"abstract_init_{kind}": (lambda kind=kind: abstract_init(kind)) for kind in ("hooked", "compiled")},
+    "abstract_init_equal_hooked": lambda: abstract_init("hooked", apart=False),
+    "buffer_shape_drifts_compiled": lambda: buffer_shape_drifts("compiled"),  # (hooked: rank 1 alone raises)
+    "buffer_shape_drifts_same_bytes_compiled": lambda: buffer_shape_drifts("compiled", same_bytes=True),
+    **{f"grad_fn_built_every_step_{kind}": (lambda kind=kind: grad_fn_built_every_step(kind))
+       for kind in ("hooked", "compiled")},
     "per_rank_init_jitted": lambda: per_rank_init("hooked", jitted=True),
     "one_element_apart_hooked": lambda: one_element_apart("hooked"),
     "one_element_apart_compiled": lambda: one_element_apart("compiled"),
