@@ -588,21 +588,28 @@ def abstract_init(strategy, apart=True):
     return f"loss={float(loss):.3f}"
 
 
-def grad_fn_built_every_step(strategy):
+def grad_fn_built_every_step(strategy, new_lambdas=0):
     """grad_fn built inside the step (Flax's tutorials' shape, eager under compiled/pmap): the same
     loss_fn gives the same grad_fn and program (an audit: a new trace and compile at every step, all
-    kept); a new lambda at every step gets a new one, the programs kept bounded, and a warning."""
+    kept); a new lambda at every step gets a new one, the programs kept bounded (here to 4), and a
+    warning once ten came from the same code."""
     import warnings  # noqa: PLC0415
+
+    import portddp.jax.ddp  # noqa: PLC0415
 
     params = init_params()
     ddp = DistributedDataParallel(params, strategy=strategy)
     same = len({id(ddp.value_and_grad(loss_fn)) for _ in range(3)})
     for step in range(3):
         ddp.value_and_grad(loss_fn)(params, batch(step))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(20):
-            ddp.value_and_grad(lambda p, x, k=float(step): loss_fn(p, x) * k)(params, batch(step))
+    kept, portddp.jax.ddp._PROGRAMS_KEPT = portddp.jax.ddp._PROGRAMS_KEPT, 4
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(new_lambdas):
+                ddp.value_and_grad(lambda p, x, k=float(step): loss_fn(p, x) * k)(params, batch(step))
+    finally:
+        portddp.jax.ddp._PROGRAMS_KEPT = kept
     programs = sum(len(state.steps) for state in ddp._plans.values())
     warned = sum("made by the same code 10 times" in str(w.message) for w in caught)
     return f"grad_fns={same} programs={programs} warned={warned}"
@@ -732,8 +739,8 @@ CASES = {
     "abstract_init_equal_hooked": lambda: abstract_init("hooked", apart=False),
     "buffer_shape_drifts_compiled": lambda: buffer_shape_drifts("compiled"),  # (hooked: rank 1 alone raises)
     "buffer_shape_drifts_same_bytes_compiled": lambda: buffer_shape_drifts("compiled", same_bytes=True),
-    **{f"grad_fn_built_every_step_{kind}": (lambda kind=kind: grad_fn_built_every_step(kind))
-       for kind in ("hooked", "compiled")},
+    "grad_fn_built_every_step_compiled": lambda: grad_fn_built_every_step("compiled"),
+    "grad_fn_new_every_step_hooked": lambda: grad_fn_built_every_step("hooked", new_lambdas=11),
     "per_rank_init_jitted": lambda: per_rank_init("hooked", jitted=True),
     "one_element_apart_hooked": lambda: one_element_apart("hooked"),
     "one_element_apart_compiled": lambda: one_element_apart("compiled"),
