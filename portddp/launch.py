@@ -464,12 +464,20 @@ def ensure_watchdog() -> None:
     except ValueError as e:  # (a bad PORTDDP_TIMEOUT_S: carried in the exchange, as the watchdog's own settings)
         timeout_s, problem = DEFAULT_TIMEOUT_S, str(e)
     _start_watchdog(w, torch_distributed=torch_distributed, by="DDP construction", timeout_s=timeout_s,
-                    problem=problem)
+                    problem=problem, stall_s=_scripts_stall_s(timeout_s))
+
+
+def _scripts_stall_s(timeout_s: float) -> float:
+    """The stall inspector's default in a script without portddp.init(): shortly before the script's own
+    timeout, where native DDP's job would fail -- at 80 % of it, a wait native allows (rank 0 evaluating
+    alone for 25 of the default 30 minutes) was stopped, an audit found; 30 s leave the inspector time to
+    ask every rank before c10d's own error (80 % of a timeout under 150 s)."""
+    return max(0.8 * timeout_s, timeout_s - 30.0)
 
 
 def _scripts_timeout_s(dist) -> float:
     """How long a script that did not call portddp.init() lets a collective wait, for the stall
-    inspector (which speaks at 80 % of it): PORTDDP_TIMEOUT_S where set, else its own process
+    inspector (which speaks 30 s before it, at 80 % of a short one): PORTDDP_TIMEOUT_S where set, else its own process
     group's timeout, else PyTorch's default (30 minutes) -- as native DDP would wait, so that
     legitimate work on one rank (an evaluation or a checkpoint on rank 0 only) is not cut short."""
     if "PORTDDP_TIMEOUT_S" in os.environ:
@@ -608,9 +616,10 @@ def unpack_named(got: list, name: str | None, rank: int) -> list:
 
 
 def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAULT_TIMEOUT_S,
-                    by: str = "portddp.init", problem: str | None = None) -> None:
+                    by: str = "portddp.init", problem: str | None = None, stall_s: float | None = None) -> None:
     """Connect every rank to every other for portddp.watchdog, once per process. `problem`: a setting
-    this rank could not read (carried in the address exchange, which then stops every rank)."""
+    this rank could not read (carried in the address exchange, which then stops every rank). `stall_s`:
+    the stall inspector's default (else 80 % of `timeout_s`)."""
     global _WATCHDOG
     from portddp import watchdog  # noqa: PLC0415
 
@@ -626,7 +635,7 @@ def _start_watchdog(w: World, torch_distributed: bool, timeout_s: float = DEFAUL
             if problem is not None:
                 raise ValueError(problem)
             return
-        config = watchdog.settings(stall_s=0.8 * timeout_s)
+        config = watchdog.settings(stall_s=0.8 * timeout_s if stall_s is None else stall_s)
     except ValueError as e:
         problem = problem or str(e)
     local = _one_host(w)

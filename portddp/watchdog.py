@@ -42,8 +42,9 @@ debug mode): every collective portddp issues is announced with
 "iteration 12 bucket 3" or "checkpoint save" -- and every wait for one is
 wrapped in `with waiting(name):`. When a rank has waited longer than
 PORTDDP_STALL_S seconds (default: 80 % of PORTDDP_TIMEOUT_S, i.e. 240 s, so it
-speaks before c10d's own timeout -- without portddp.init(), 80 % of the script's own
-process group timeout, PyTorch's 30 minutes by default; 0 turns it off), the lowest live rank asks
+speaks before c10d's own timeout -- without portddp.init(), 30 s before the script's
+own process group timeout, PyTorch's 30 minutes by default, or at 80 % of a timeout under
+150 s; 0 turns it off), the lowest live rank asks
 every rank over these sockets where it is (its sequence number, its last
 collectives' names, waiting since when or computing since when, iterations
 done), and every rank prints the same table -- naming the rank(s) behind, or

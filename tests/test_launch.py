@@ -284,9 +284,9 @@ def test_processes_a_rank_starts_are_no_ranks():
 
 def test_the_stall_inspector_of_a_script_without_init_waits_as_long_as_its_group():
     """A DDP built without portddp.init() (a torchrun script with the import changed) starts the
-    watchdog itself; its stall inspector speaks at 80 % of the script's own process group timeout
-    (PyTorch's 30 minutes by default), not of portddp's 300 s: rank 0 evaluating alone for minutes
-    (nanoGPT's estimate_loss) is legitimate there, as under native DDP."""
+    watchdog itself; its stall inspector speaks 30 s before the script's own process group timeout
+    (PyTorch's 30 minutes by default; 80 % of a short one), not at 80 % of portddp's 300 s: rank 0
+    evaluating alone for minutes (nanoGPT's estimate_loss) is legitimate there, as under native DDP."""
     code = (
         "import datetime, os, torch.distributed as dist\n"
         "from portddp import launch\n"
@@ -303,6 +303,9 @@ def test_the_stall_inspector_of_a_script_without_init_waits_as_long_as_its_group
     got = dict(line.split() for line in out.stdout.splitlines())
     assert float(got["none"]) == 1800.0 and float(got["group"]) == 1234.0, got
     assert float(got["env"]) == 77.0, got  # PORTDDP_TIMEOUT_S, where set, decides
+    from portddp import launch  # noqa: PLC0415
+
+    assert [launch._scripts_stall_s(t) for t in (1800.0, 1234.0, 77.0)] == [1770.0, 1204.0, 0.8 * 77.0]
 
 
 
