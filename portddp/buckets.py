@@ -180,6 +180,7 @@ def assign_by_size(
     keys: Sequence[object],
     limits: Sequence[int],
     alone: Sequence[bool] = (),
+    sort: bool = True,
 ) -> tuple[list[list[int]], list[int]]:
     """Group positions 0..n-1 into buckets; the rule in the module docstring.
 
@@ -187,7 +188,10 @@ def assign_by_size(
     device); `alone[i]` (default False) puts tensor i in a bucket of its own (a
     sparse gradient). Returns (buckets as lists of positions, the limit each
     bucket was closed against; a lone tensor's is 0) -- the same pair
-    PyTorch's function returns when given no explicit tensor indices.
+    PyTorch's function returns when given no explicit tensor indices; with
+    `sort=False`, in the order the buckets closed, as it returns them when given
+    the indices (its re-plan from the observed order: a lone sparse tensor's
+    bucket then comes before the dense one still open when it arrived).
     """
     if not limits:
         raise ValueError("limits must name at least one bucket size")
@@ -214,14 +218,15 @@ def assign_by_size(
         done.append((bucket, limits[limit_pos[key]]))
     # Ordered by the first tensor they hold: with tensors listed in the order
     # their gradients are expected, bucket k+1 becomes ready after bucket k.
-    done.sort(key=lambda item: min(item[0]))
+    if sort:
+        done.sort(key=lambda item: min(item[0]))
     return [b for b, _ in done], [lim for _, lim in done]
 
 
-def _make_plan(specs: tuple[ParamSpec, ...], order: Sequence[int], limits: list[int]) -> BucketPlan:
+def _make_plan(specs: tuple[ParamSpec, ...], order: Sequence[int], limits: list[int], sort: bool = True) -> BucketPlan:
     ordered = [specs[i] for i in order]
     groups, caps = assign_by_size(
-        [s.nbytes for s in ordered], [(s.dtype, s.device) for s in ordered], limits, [s.sparse for s in ordered]
+        [s.nbytes for s in ordered], [(s.dtype, s.device) for s in ordered], limits, [s.sparse for s in ordered], sort
     )
     buckets = []
     for positions, cap in zip(groups, caps):
@@ -301,4 +306,5 @@ def rebuild_plan(
         seen.add(i)
         order.append(i)
     order += [i for i in range(n - 1, -1, -1) if i not in seen]
-    return _make_plan(plan.specs, order, _limits(bucket_cap_mb, first_bucket_cap_mb))
+    # (unsorted, as native's reducer re-plans: it passes the observed order as tensor indices)
+    return _make_plan(plan.specs, order, _limits(bucket_cap_mb, first_bucket_cap_mb), sort=False)

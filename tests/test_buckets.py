@@ -58,6 +58,30 @@ def test_sparse_gradients_get_buckets_of_their_own_as_in_pytorch(seed):
 
 
 @pytest.mark.parametrize("seed", range(100))
+def test_rebuild_is_pytorchs_assignment_given_the_observed_order(seed):
+    """Native's reducer re-plans by passing the observed order as tensor indices, and then keeps its
+    buckets in the order they closed (unsorted): a lone sparse tensor's bucket before the dense one
+    still open when it arrived, a dtype's bucket before another dtype's that closed later (a review)."""
+    rng = random.Random(7000 + seed)
+    specs = [ParamSpec(s.name, s.shape, s.dtype, sparse=rng.random() < 0.2) for s in random_specs(rng)]
+    cap_mb, first_mb = rng.choice([(0.01, 0.001), (0.25, 0.05), (1.0, 1.0)])
+    order = list(range(len(specs)))
+    rng.shuffle(order)
+    rebuilt = rebuild_plan(plan_buckets(specs, cap_mb, first_mb), order, cap_mb, first_mb)
+    limits = [int(first_mb * 2**20), int(cap_mb * 2**20)] if first_mb < cap_mb else [int(cap_mb * 2**20)]
+    # (as the reducer calls it: the tensors in the observed order, the sparse flags by parameter index)
+    want, _ = dist._compute_bucket_assignment_by_size(
+        [torch.empty(specs[i].shape, dtype=DTYPES[specs[i].dtype]) for i in order], limits, [s.sparse for s in specs],
+        order)
+    got, want = rebuilt.assignment(), [list(b) for b in want]
+    # Those that closed, in the order they closed; then those left open at the end, one per dtype,
+    # which native emits in its hash map's order (compared as a set).
+    closed = sum(b.sparse or b.nbytes >= b.cap_bytes for b in rebuilt.buckets)
+    assert got[:closed] == want[:closed]
+    assert sorted(got[closed:]) == sorted(want[closed:])
+
+
+@pytest.mark.parametrize("seed", range(100))
 def test_plan_is_pytorch_assignment_of_reversed_params(seed):
     """Native DDP rebuilds its buckets from the gradient-ready order with limits
     [first_bucket_cap, bucket_cap]; our initial plan is that assignment over

@@ -29,6 +29,7 @@ SCENARIOS = [
     "forwards_per_backward", "fused_sgd", "fused_adam",
     "sparse_adam", "sparse_nosync", "sparse_view_static", "sparse_hook", "sparse_join",
     "sink_find_unused", "sink_find_unused_nosync", "sink_static_graph", "sink_plain", "sink_sigmoid_clamped",
+    "penalty_find_unused", "penalty_plain",
 ]
 
 
@@ -65,6 +66,20 @@ def test_a_sparse_table_unused_on_some_ranks_trains_as_its_dense_twin(results):
     _, got = mpi.each_rank((n, rows), f"sparse_unused_vs_dense/{transport}")
     for row in got:
         assert row["ranks_agree"] and row["max_diff"] <= 1e-6, row
+
+
+def test_a_gradient_penalty_pass_under_static_graph_keeps_the_ranks_equal(results):
+    """torch.autograd.grad(out.sum(), x, create_graph=True) before the backward, static_graph=True: the
+    iteration waits for the backward that brings the gradients (native's ranks end apart here)."""
+    n, rows, transport = results
+    _, got = mpi.each_rank((n, rows), f"penalty_static_graph/{transport}")
+    assert all(row["ranks_agree"] for row in got), got
+
+
+def test_sparse_gradients_unused_here_and_non_finite_elsewhere(results):
+    n, rows, transport = results
+    _, got = mpi.each_rank((n, rows), f"sparse_review/{transport}")
+    assert all(row["static_unused_equal"] and row["finite_grad_untouched"] for row in got), got
 
 
 def test_a_hook_that_grows_its_buffer(results):

@@ -166,3 +166,13 @@ def test_a_loss_objects_attributes_and_a_global_objects_attributes_it_reads():
     assert watch.changed() is None
     HP.temperature = 4.0
     assert watch.changed() == "HP.temperature"
+
+
+def test_two_instances_of_one_loss_class_are_each_watched():
+    """A review: the second instance's bound __call__ (made while looking, then freed) reused the first's id
+    and was skipped, and both instances' attributes had one name -- a change of the second went unseen."""
+    a, b = ScaledLoss(), ScaledLoss()
+    watch = learnt(lambda p, x: a(p, x) + b(p, x), jnp.ones(2), jnp.ones(2))
+    assert watch.changed() is None
+    b.temperature = 10.0
+    assert watch.changed() == "self.temperature #2"

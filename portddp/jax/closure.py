@@ -101,6 +101,7 @@ def _snapshot(fn) -> list[tuple[str, list]]:
     """[(name, the values it holds now)] for everything `fn` reads from outside its arguments."""
     found: list[tuple[str, list]] = []
     seen: set[int] = set()
+    made: list = []  # the bound methods made here, alive until the end: `seen` holds their ids
 
     def consider(name: str, value, depth: int, attrs: tuple[str, ...] = ()) -> None:
         """`attrs`: the attribute names the code that reads `value` loads (for an object of the user's)."""
@@ -122,7 +123,8 @@ def _snapshot(fn) -> list[tuple[str, list]]:
             return
         seen.add(id(f))
         if (call := _call_of(f)) is not None:  # a callable object: its __call__, bound (self.temperature)
-            visit(types.MethodType(call, f), depth, where)
+            made.append(types.MethodType(call, f))
+            visit(made[-1], depth, where)
             return
         if isinstance(f, functools.partial):
             for i, arg in enumerate(f.args):
@@ -158,7 +160,14 @@ def _snapshot(fn) -> list[tuple[str, list]]:
                 consider(name, names[name], depth, attrs)
 
     visit(fn, _DEPTH, getattr(fn, "__name__", "loss_fn"))
-    return found
+    # One name per entry (two instances of one class both read `self.scale`): numbered in the order found,
+    # which is the same at every snapshot.
+    times: dict[str, int] = {}
+    named = []
+    for name, values in found:
+        times[name] = times.get(name, 0) + 1
+        named.append((name if times[name] == 1 else f"{name} #{times[name]}", values))
+    return named
 
 
 def _is_users_object(value) -> bool:

@@ -53,6 +53,7 @@ import hashlib
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 import zlib
@@ -122,24 +123,19 @@ class GradBucket(GradBucketCommon):
         return list(self._names)
 
 
-_PROGRAMS_KEPT = 16  # traced programs kept per plan, the least recently used dropped first (_Programs)
+_GRAD_FNS_KEPT = 16  # grad_fns remembered per DDP, the least recently asked for forgotten first (_grad_fn_for)
 
 
-class _Programs(collections.OrderedDict):
-    """A plan's traced programs, per step function: the `_PROGRAMS_KEPT` most recently used. A script
-    that builds a new loss function at every step (a lambda capturing that step's teacher) gets a new
-    program each time, and each holds what its loss captured: unbounded, they held every step's."""
+class _Token:
+    """What a plan's traced programs are kept by: one per grad_fn (its step holds it), so that a
+    grad_fn's programs go with it -- a script that builds a new loss function at every step (a
+    lambda capturing that step's teacher) gets a new program each time, and each holds what its
+    loss captured; kept by the loss function, they held every step's (an audit)."""
 
-    def get(self, key, default=None):
-        value = super().get(key, default)
-        if value is not default:
-            self.move_to_end(key)
-        return value
+    __slots__ = ("__weakref__",)
 
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        while len(self) > _PROGRAMS_KEPT:
-            self.popitem(last=False)
+
+_REDUCE = _Token()  # (ddp.reduce()'s program: one per plan, kept with it)
 
 
 class _PlanState(NamedTuple):
@@ -149,7 +145,7 @@ class _PlanState(NamedTuple):
     plan: BucketPlan
     buffers: list  # one flat numpy buffer per bucket (hooked: what the collectives reduce)
     taps: list  # one custom_vjp identity per bucket (_make_tap)
-    steps: dict  # per step function: its jitted (hooked) or compiled (compiled.Step) program
+    steps: weakref.WeakKeyDictionary  # per grad_fn (its _Token): its jitted (hooked) or compiled program
     lent: list  # eager hooked steps: sets of bucket buffers, some still lent to the caller (_lend)
 
 
@@ -364,7 +360,8 @@ class DistributedDataParallel(DDPCommon):
         key = plan.to_json()
         if key not in self._plans:
             buffers = self._new_buffers(plan)
-            self._plans[key] = _PlanState(plan, buffers, [self._make_tap(b) for b in range(len(plan.buckets))], _Programs(),
+            self._plans[key] = _PlanState(plan, buffers, [self._make_tap(b) for b in range(len(plan.buckets))],
+                                          weakref.WeakKeyDictionary(),
                                           [buffers])
         self._plan, self._buffers, self._taps, self._steps, self._buffer_sets = self._plans[key]
 
@@ -452,26 +449,28 @@ class DistributedDataParallel(DDPCommon):
         strategy='compiled' or 'pmap' runs eagerly -- it is the same grad_fn, with its traced programs
         (a new one traced and compiled again at every step: 300-400 ms a step against 7, an audit found).
         A new function object at every step (a lambda capturing that step's values) gets a new grad_fn,
-        as jax.jit gets a new trace; said once it happens often (the programs kept are bounded:
-        _Programs)."""
-        key = (kind, id(loss_fn), bool(has_aux))
+        as jax.jit gets a new trace; said once it happens often. The grad_fns remembered here are the
+        _GRAD_FNS_KEPT most recently asked for; a grad_fn's programs live as long as it does (_Token)."""
+        # (a bound method is a new object at every attribute access: `ddp.value_and_grad(self.loss)` in a step)
+        parts = (loss_fn.__self__, loss_fn.__func__) if isinstance(loss_fn, types.MethodType) else (loss_fn,)
+        key = (kind, *map(id, parts), bool(has_aux))
         held = self._grad_fns.get(key)
-        if held is not None and held[0] is loss_fn:
+        if held is not None and all(a is b for a, b in zip(held[0], parts)):
             self._grad_fns.move_to_end(key)
             return held[1]
         grad_fn = make()
-        self._grad_fns[key] = (loss_fn, grad_fn)
-        while len(self._grad_fns) > _PROGRAMS_KEPT:
+        self._grad_fns[key] = (parts, grad_fn)
+        while len(self._grad_fns) > _GRAD_FNS_KEPT:
             self._grad_fns.popitem(last=False)
         code = getattr(loss_fn, "__code__", None) or getattr(getattr(type(loss_fn), "__call__", None), "__code__", None)
         if code is not None:
             self._grad_fn_codes[code] += 1
-            if self._grad_fn_codes[code] == 10:
+            if self._grad_fn_codes[code] == 2 * _GRAD_FNS_KEPT:  # (more than a script keeps alive on purpose)
                 warnings.warn(
-                    f"portddp: ddp.{kind}() got a new loss function made by the same code 10 times "
+                    f"portddp: ddp.{kind}() got a new loss function made by the same code {2 * _GRAD_FNS_KEPT} times "
                     f"({closure.describe(loss_fn)}): each new function object gets a new grad_fn, traced and "
-                    f"compiled again at its first call, as jax.jit does for a new function (the {_PROGRAMS_KEPT} "
-                    "most recent programs are kept). Build grad_fn once, outside the step, and pass what changes "
+                    f"compiled again at its first call, as jax.jit does for a new function (the {_GRAD_FNS_KEPT} "
+                    "most recent are kept with their programs). Build grad_fn once, outside the step, and pass what changes "
                     "as arguments (in the batch, or as state of an NNX model)", RuntimeWarning, stacklevel=3)
         return grad_fn
 
@@ -501,12 +500,12 @@ class DistributedDataParallel(DDPCommon):
             self._rebuild()
         leaves = self._layout.leaves_of(grads)
         if self.strategy != "hooked":
-            if "reduce" not in self._steps:
-                self._steps["reduce"] = compiled.make_reduce(self.strategy, self._plan, self._layout, self.world_size)
+            if _REDUCE not in self._steps:
+                self._steps[_REDUCE] = compiled.make_reduce(self.strategy, self._plan, self._layout, self.world_size)
             watchdog.step_started()
             self._issue("compiled reduce")
             with watchdog.waiting(computes=True):
-                out, counts = self._steps["reduce"](grads, self._step_slot())
+                out, counts = self._steps[_REDUCE](grads, self._step_slot())
                 jax.block_until_ready(out)
             watchdog.step_finished()
             if counts is not None:
@@ -645,6 +644,7 @@ class DistributedDataParallel(DDPCommon):
             return jax.jit(jax.value_and_grad(fn, argnums=1, has_aux=True), static_argnums=0)
 
         local = [jit_local()]
+        token = _Token()  # (this step's programs are kept by it: _Token)
         me = weakref.proxy(self)  # (for host callbacks: see _make_tap; the step itself holds the DDP)
         captured = closure.Captured(source) if source is not None else None
 
@@ -658,8 +658,7 @@ class DistributedDataParallel(DDPCommon):
             """A value loss_fn captured was replaced: forget every trace of this step (each plan's)."""
             local[0] = jit_local()
             for plan in self._plans.values():
-                for key in (fn, (program, False), (program, True)):
-                    plan.steps.pop(key, None)
+                plan.steps.pop(token, None)
             n = captured.retraces
             if n in (1, 10, 100) or n % 1000 == 0:  # (said again as it goes on: each time is a compile)
                 if self.strategy == "hooked":
@@ -677,9 +676,9 @@ class DistributedDataParallel(DDPCommon):
 
         def xla_step(static, params, state, batch, scale):
             """compiled, pmap: one XLA program holds the iteration's collectives."""
-            step = self._steps.get(fn)
+            step = self._steps.get(token)
             if step is None:  # first call, or the plan changed ("auto"): compile with this plan
-                step = self._steps[fn] = compiled.make_step(self.strategy, self._plan, self._layout, fn,
+                step = self._steps[token] = compiled.make_step(self.strategy, self._plan, self._layout, fn,
                                                             self.world_size, self.broadcast_buffers)
             t0 = _now()
             watchdog.step_started()
@@ -766,11 +765,11 @@ class DistributedDataParallel(DDPCommon):
             if traced:
                 return flax_nnx.named_errors(functools.partial(program, tie=True), static, params, state, batch)
             lends = self._hook is None and self._comm.defers_gather  # (the shared-memory path: see _lend)
-            run = self._steps.get((program, lends))
+            runs = self._steps.setdefault(token, {})
+            run = runs.get(lends)
             if run is None:  # first call, or the plan was rebuilt: trace again with the new taps
                 # A new function object each time: jax.jit caches traces per function.
-                run = self._steps[(program, lends)] = jax.jit(
-                    lambda *args: program(*args, lend=lends), static_argnums=0)
+                run = runs[lends] = jax.jit(lambda *args: program(*args, lend=lends), static_argnums=0)
             self._callback_errors.clear()
             self._step_counted = True
             try:
@@ -942,14 +941,16 @@ class DistributedDataParallel(DDPCommon):
         program, in an all_gather sized by each rank's own shapes. Shapes that drifted apart since the
         first step (a buffer sized by each rank's last batch) aborted the process in XLA's Gloo, or, at
         equal byte counts, took rank 0's bytes in another shape, silently (an audit). Compared at every
-        synchronised step of a model with buffers -- a digest, one small allgather --, and named on
-        every rank as at the first step."""
+        synchronised step of a model with buffers -- a digest per rank, one small all-reduce (tens of
+        microseconds on shared memory) --, and named on every rank as at the first step."""
         buffers = state[0] if state is not None else None
         mine = buffer_layout([(tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in jax.tree.leaves(buffers)])
+        digests = np.zeros(self.world_size, np.int64)  # (each rank's in its own slot: the sum is all of them)
+        digests[self.rank] = mine
         self._issue("buffer layout check")
         with watchdog.waiting():
-            everyone = self._comm.allgather_object(mine)
-        if len(set(everyone)) > 1:  # (every rank sees it: every rank names the difference)
+            self._comm.allreduce(digests).wait()
+        if len(set(digests.tolist())) > 1:  # (every rank sees it: every rank names the difference)
             self._agree_on_start(state, step=True)
 
     def _sync_buffers(self, leaves, synchronises: bool = True, src: int | None = None) -> list[np.ndarray]:

@@ -875,8 +875,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 f"parameter {self._names[i]!r}, the weight of an nn.Embedding/EmbeddingBag built with sparse=True, got "
                 f"a {grad.layout} gradient; DistributedDataParallel planned it as sparse when it was built (native's "
                 "reducer fails here too). Keep the module's `sparse` as it was when wrapped, or wrap it again")
-        elif self._hook is None:
-            grad.div_(self._divisor)
+        else:
+            if self.check_finite:  # (.grad is left as it was if some rank finds a NaN: reduce a copy)
+                grad = grad.clone()
+            if self._hook is None:
+                grad.div_(self._divisor)
         self._sparse_grads[self._bucket_of[i]] = grad
 
     def _launch_ready_buckets(self) -> None:
@@ -1046,8 +1049,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         if not (self.find_unused_parameters or self.static_graph) and min(counts) < self._contributors:
             self._raise_unused(counts)
         if any(nonfinite):
+            self._sparse_results.clear()
             self._raise_nonfinite()
         self._write_grads([i for i, c in enumerate(counts) if c and not (early_write and self._seen[i])])
+        self._sparse_results.clear()  # (.grad holds them: not kept past zero_grad)
 
     def _finish_sparse(self, b: int, result: torch.Tensor) -> None:
         """A sparse bucket's reduced sum into the gradient that was reduced (native copies it the same way);
@@ -1101,8 +1106,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             p, view = params[i], bucket_views[i]
             grad = p.grad
             if self._sparse_buckets and self._bucket_of[i] in self._sparse_buckets:
-                if grad is None:  # (where this rank had one, it was reduced in place)
-                    p.grad = self._sparse_results[self._bucket_of[i]]
+                result = self._sparse_results[self._bucket_of[i]]
+                if grad is not result:  # (where this rank's was reduced, in place, it is the result already)
+                    p.grad = result
                 continue
             if grad is None:
                 p.grad = view if as_view else view.clone()

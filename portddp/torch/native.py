@@ -474,6 +474,14 @@ class NativeInterface:
         if torch._C._current_autograd_node() is not None and not all(self._seen):
             self._finalize_queued = False
             return
+        if not any(self._seen) and not any(self._hook_counts):
+            # No gradient of this DDP arrived in the pass that queued it: a pass through the outputs that
+            # does not reach the parameters -- torch.autograd.grad(out.sum(), x, create_graph=True), a
+            # gradient penalty's -- queued it from the output sink or pre-hook. The iteration stays open
+            # for the backward that brings them (native's reducer, which queues its callback from a
+            # parameter's hook, has no such case).
+            self._finalize_queued = False
+            return
         self._finalize()
 
     def _in_ddp_backward(self) -> bool:

@@ -946,6 +946,36 @@ def outputs_through_the_sink(transport):
     compare("sink_sigmoid_clamped", transport, native, ours, clamped)
 
 
+def gradient_penalty(transport):
+    """WGAN-GP / R1: torch.autograd.grad(out.sum(), x, create_graph=True) -- a pass through the outputs
+    that reaches no parameter -- before the loss's backward. With the outputs through the sink
+    (find_unused_parameters) it ended the iteration with no gradients in it, and the real backward was
+    refused (a review, 2026-12-07); native trains."""
+    rank = dist.get_rank()
+
+    def penalised(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(3):
+            opt.zero_grad()
+            x = batch(step, rank)[0].requires_grad_(True)
+            out = ddp(x)
+            (grad_x,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            (out.square().mean() + grad_x.square().mean()).backward()
+            opt.step()
+
+    for name, kw in (("penalty_find_unused", {"find_unused_parameters": True}), ("penalty_plain", {})):
+        native, ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB, **kw})
+        compare(name, transport, native, ours, penalised)
+    # static_graph: native's first iteration reduces at the end of the penalty's pass, before any gradient,
+    # and its ranks end apart (checked by hand, 2026-12-07); portddp's stay equal.
+    ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB, "static_graph": True})[1]
+    penalised(ours)
+    mine = torch.cat([p.detach().reshape(-1) for p in ours.module.parameters()])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    report(f"penalty_static_graph/{transport}", ranks_agree=all(torch.equal(e, mine) for e in everyone))
+
+
 class SparseNet(nn.Module):
     """Embedding tables with sparse gradients (nn.Embedding / nn.EmbeddingBag(sparse=True)) before a
     dense head: native DDP reduces each such gradient alone, as a sparse tensor."""
@@ -1043,6 +1073,31 @@ def sparse_embeddings(transport):
     dist.all_gather(everyone, mine)
     report(f"sparse_unused_vs_dense/{transport}", max_diff=diff, ranks_agree=all(torch.equal(e, mine) for e in everyone))
 
+    # (a review, 2026-12-07) static_graph, the bag unused on rank 1 after the first step while its .grad stays
+    # from before (zero_grad(set_to_none=False)): the mean replaces it there too, as a dense gradient's would.
+    ddp = DistributedDataParallel(SparseNet(), transport=transport, static_graph=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        sparse_loss(ddp, step, rank, use_bag=step == 0 or rank == 0).backward()
+    bag = ddp.module.bag.weight.grad.to_dense()
+    bags = [torch.empty_like(bag) for _ in range(dist.get_world_size())]
+    dist.all_gather(bags, bag)
+    # check_finite: a NaN on one rank leaves .grad as it was on every rank -- the sparse one too.
+    ddp = DistributedDataParallel(SparseNet(), transport=transport, check_finite=True)
+    sparse_loss(ddp.module, 0, rank).backward()  # (through the module: this rank's own gradient)
+    local = ddp.module.emb.weight.grad.coalesce()
+    ddp.module.emb.weight.grad = None
+    refused = False
+    try:
+        (sparse_loss(ddp, 0, rank) * (float("nan") if rank == 1 else 1.0)).backward()
+    except FloatingPointError as e:
+        refused = "non-finite gradients" in str(e)
+    kept = ddp.module.emb.weight.grad.coalesce()  # (rank 0's: what its own backward gave, not divided or summed)
+    report(f"sparse_review/{transport}", static_unused_equal=all(torch.equal(b, bag) for b in bags),
+           finite_grad_untouched=refused and (rank != 0 or torch.equal(kept.indices(), local.indices()) and
+                                              torch.equal(kept.values(), local.values())))
+
 
 def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
@@ -1053,7 +1108,7 @@ SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, un
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
              static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward, fused_optim,
-             sparse_embeddings, outputs_through_the_sink]
+             sparse_embeddings, outputs_through_the_sink, gradient_penalty]
 
 
 def main():
