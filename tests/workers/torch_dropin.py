@@ -48,6 +48,14 @@ def report(name, **fields):
     common.report(dist.get_rank(), name, **fields)
 
 
+def same_on_every_rank(tensors) -> bool:
+    """Whether `tensors` (parameters, gradients) hold the same values on every rank."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(everyone[0], other) for other in everyone[1:])
+
+
 def pair(transport, model_kw=None, ddp_args=(), ddp_kw=None, edit=None):
     """(native DDP, portddp DDP) around two identical models, built with the same native arguments."""
     models = [make(**(model_kw or {})) for _ in range(2)]
@@ -460,12 +468,8 @@ def static_graph_dataclass_output(transport):
     native = NativeDDP(DataclassHeads(), bucket_cap_mb=CAP_MB)
     ours = DistributedDataParallel(DataclassHeads(), bucket_cap_mb=CAP_MB, static_graph=True, transport=transport)
 
-    def ranks_agree():
-        flat = torch.cat([p.detach().reshape(-1) for p in ours.module.parameters()])
-        everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, flat)
-        return all(torch.equal(everyone[0], other) for other in everyone[1:])
-    compare("static_graph_dataclass_output", transport, native, ours, train, ranks_agree=ranks_agree)
+    compare("static_graph_dataclass_output", transport, native, ours, train,
+            ranks_agree=lambda: same_on_every_rank(ours.module.parameters()))
 
 
 class _Cut(torch.autograd.Function):
@@ -970,10 +974,7 @@ def gradient_penalty(transport):
     # and its ranks end apart (checked by hand, 2026-12-07); portddp's stay equal.
     ours = pair(transport, ddp_kw={"bucket_cap_mb": CAP_MB, "static_graph": True})[1]
     penalised(ours)
-    mine = torch.cat([p.detach().reshape(-1) for p in ours.module.parameters()])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    report(f"penalty_static_graph/{transport}", ranks_agree=all(torch.equal(e, mine) for e in everyone))
+    report(f"penalty_static_graph/{transport}", ranks_agree=same_on_every_rank(ours.module.parameters()))
 
 
 class SparseNet(nn.Module):
@@ -1068,10 +1069,7 @@ def sparse_embeddings(transport):
     train(sparse)
     train(dense)
     diff, _ = max_diff(sparse.module, dense.module)
-    mine = torch.cat([p.detach().reshape(-1) for p in sparse.module.parameters()])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    report(f"sparse_unused_vs_dense/{transport}", max_diff=diff, ranks_agree=all(torch.equal(e, mine) for e in everyone))
+    report(f"sparse_unused_vs_dense/{transport}", max_diff=diff, ranks_agree=same_on_every_rank(sparse.module.parameters()))
 
     # (a review, 2026-12-07) static_graph, the bag unused on rank 1 after the first step while its .grad stays
     # from before (zero_grad(set_to_none=False)): the mean replaces it there too, as a dense gradient's would.
@@ -1080,9 +1078,7 @@ def sparse_embeddings(transport):
     for step in range(3):
         opt.zero_grad(set_to_none=False)
         sparse_loss(ddp, step, rank, use_bag=step == 0 or rank == 0).backward()
-    bag = ddp.module.bag.weight.grad.to_dense()
-    bags = [torch.empty_like(bag) for _ in range(dist.get_world_size())]
-    dist.all_gather(bags, bag)
+    static_unused_equal = same_on_every_rank([ddp.module.bag.weight.grad.to_dense()])
     # check_finite: a NaN on one rank leaves .grad as it was on every rank -- the sparse one too.
     ddp = DistributedDataParallel(SparseNet(), transport=transport, check_finite=True)
     sparse_loss(ddp.module, 0, rank).backward()  # (through the module: this rank's own gradient)
@@ -1094,7 +1090,7 @@ def sparse_embeddings(transport):
     except FloatingPointError as e:
         refused = "non-finite gradients" in str(e)
     kept = ddp.module.emb.weight.grad.coalesce()  # (rank 0's: what its own backward gave, not divided or summed)
-    report(f"sparse_review/{transport}", static_unused_equal=all(torch.equal(b, bag) for b in bags),
+    report(f"sparse_review/{transport}", static_unused_equal=static_unused_equal,
            finite_grad_untouched=refused and (rank != 0 or torch.equal(kept.indices(), local.indices()) and
                                               torch.equal(kept.values(), local.values())))
 
