@@ -76,6 +76,16 @@ def test_a_gradient_penalty_pass_under_static_graph_keeps_the_ranks_equal(result
     assert all(row["ranks_agree"] for row in got), got
 
 
+def test_sparse_tables_summed_train_as_dense_ones_and_powersgd_is_refused(results):
+    """Two sparse tables summed in the forward (gradients sharing memory: native halves them, dividing in
+    place twice) train as the same dense tables; PowerSGD on a sparse bucket is refused on every rank
+    (native hands it back unreduced: the ranks' tables drift apart)."""
+    n, rows, transport = results
+    _, summed = mpi.each_rank((n, rows), f"sparse_tables_summed/{transport}")
+    _, powersgd = mpi.each_rank((n, rows), f"sparse_powersgd/{transport}")
+    assert all(row["max_diff"] <= 1e-6 for row in summed) and all(row["refused"] for row in powersgd), (summed, powersgd)
+
+
 def test_sparse_gradients_unused_here_and_non_finite_elsewhere(results):
     n, rows, transport = results
     _, got = mpi.each_rank((n, rows), f"sparse_review/{transport}")

@@ -106,9 +106,10 @@ class GradBucket(GradBucketCommon):
     def gradients(self) -> list[torch.Tensor]:
         """One view of the bucket buffer per parameter, shaped like it -- of the buffer now, as
         native's: after set_buffer(a float16 copy), float16 views of the copy
-        (fp16_compress_wrapper(powerSGD_hook) relies on it). A sparse gradient's bucket: the gradient."""
+        (fp16_compress_wrapper(powerSGD_hook) relies on it). A sparse gradient's bucket: none, as
+        native's (a fused optimizer stepping bucket.gradients() leaves sparse tables alone there)."""
         if self._buffer.is_sparse:
-            return [self._buffer]
+            return []
         return [self._buffer[off:off + p.numel()].view(p.shape) for p, off in zip(self._params, self._offsets)]
 
     def parameters(self) -> list:
@@ -865,9 +866,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             param.grad = view
 
     def _pack_sparse(self, i: int, grad: torch.Tensor | None) -> None:
-        """Param i's sparse gradient is its bucket: divided in place (unless a hook will divide) and
-        reduced itself, the reduced sum copied back into it -- as native's reducer does. No gradient
-        here (unused on this rank): an empty one, so the collectives still pair."""
+        """Param i's sparse gradient is its bucket: divided (unless a hook will divide) and reduced
+        itself, the reduced sum becoming .grad -- as native's reducer does, but on a copy (see below).
+        No gradient here (unused on this rank): an empty one, so the collectives still pair."""
         if grad is None:
             grad = _empty_sparse(self._params[i])
         elif not grad.is_sparse:
@@ -875,11 +876,13 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 f"parameter {self._names[i]!r}, the weight of an nn.Embedding/EmbeddingBag built with sparse=True, got "
                 f"a {grad.layout} gradient; DistributedDataParallel planned it as sparse when it was built (native's "
                 "reducer fails here too). Keep the module's `sparse` as it was when wrapped, or wrap it again")
+        elif self._hook is None:
+            # Divided out of place: two tables summed in the forward (`tok(x) + pos(p)`) get gradients whose
+            # values share memory, which native divides in place twice (half the mean, silently); and with
+            # check_finite .grad is to be left as it was if some rank finds a NaN.
+            grad = grad / self._divisor
         else:
-            if self.check_finite:  # (.grad is left as it was if some rank finds a NaN: reduce a copy)
-                grad = grad.clone()
-            if self._hook is None:
-                grad.div_(self._divisor)
+            grad = grad.clone()  # (hooks divide in place too: PyTorch's allreduce_hook)
         self._sparse_grads[self._bucket_of[i]] = grad
 
     def _launch_ready_buckets(self) -> None:
@@ -916,11 +919,27 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # buffer() is a tensor of its own over the bucket's memory: a hook that pads it with resize_()
         # (as batched_powerSGD_hook does) grows that tensor, not the bucket the gradients are packed into.
         # (MPI's buckets are numpy's memory, shared or not, which cannot grow at all.)
+        if buffer.is_sparse and _is_powersgd(self._hook):
+            raise RuntimeError(
+                f"comm hook {_hook_name(self._hook)} got bucket {b}, the sparse gradient of "
+                f"{self._names[self._plan.buckets[b].params[0]]!r} (an nn.Embedding/EmbeddingBag with sparse=True): "
+                "PowerSGD compresses dense buckets and hands a sparse one back unreduced -- native DDP's ranks then "
+                "train their tables apart, silently. Build the module with sparse=False, or use a hook that "
+                "all-reduces a sparse bucket (PyTorch's allreduce_hook)")
         try:
             fut = self._hook(self._hook_state, self._grad_bucket(
                 b, buffer.view(-1) if self.transport == "c10d" and not buffer.is_sparse else buffer))
-        except RuntimeError as e:
-            if self.transport != "mpi" or "not resizable" not in str(e):
+        except (RuntimeError, NotImplementedError) as e:
+            if buffer.is_sparse:
+                name = self._names[self._plan.buckets[b].params[0]]
+                raise RuntimeError(
+                    f"comm hook {_hook_name(self._hook)} failed on bucket {b}, the sparse gradient of {name!r} (an "
+                    f"nn.Embedding/EmbeddingBag with sparse=True): {type(e).__name__}: {str(e).splitlines()[0]}. "
+                    "Compression hooks (PowerSGD, fp16/bf16) work on dense buckets; native DDP hands this one back "
+                    "unreduced and the ranks' tables drift apart. Use a hook that all-reduces a sparse bucket "
+                    "(PyTorch's allreduce_hook), skip it in yours (bucket.buffer().is_sparse), or build the module "
+                    "with sparse=False") from e
+            if not isinstance(e, RuntimeError) or self.transport != "mpi" or "not resizable" not in str(e):
                 raise
             raise RuntimeError(
                 f"comm hook {_hook_name(self._hook)} resized bucket {b}'s buffer() (resize_(), as torch's "
@@ -1017,10 +1036,9 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 result = self._check_hook_result(b, fut.wait()) if self._hook is not None else _tensor_of(fut.wait())
                 if self._sparse_buckets and b in self._sparse_buckets:
                     self._finish_sparse(b, result)
-                    continue
                 # (not for an empty bucket: its data_ptr() is 0, and on c10d its result is the
                 # buffer with the used counts' tail)
-                if result.data_ptr() != self._bucket_buffers[b].data_ptr() and self._bucket_buffers[b].numel():
+                elif result.data_ptr() != self._bucket_buffers[b].data_ptr() and self._bucket_buffers[b].numel():
                     self._bucket_buffers[b].copy_(result)
                 if early_write:
                     self._write_grads([i for i in self._plan.buckets[b].params if self._seen[i]])
@@ -1055,8 +1073,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._sparse_results.clear()  # (.grad holds them: not kept past zero_grad)
 
     def _finish_sparse(self, b: int, result: torch.Tensor) -> None:
-        """A sparse bucket's reduced sum into the gradient that was reduced (native copies it the same way);
-        a rank that had none gets it at _write_grads, if some rank had one."""
+        """A sparse bucket's reduced sum, into the copy that was reduced (native copies it into the
+        gradient itself the same way); _write_grads makes it .grad."""
         grad = self._sparse_grads.pop(b)
         if result is not grad:
             grad.copy_(result)
@@ -1106,9 +1124,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             p, view = params[i], bucket_views[i]
             grad = p.grad
             if self._sparse_buckets and self._bucket_of[i] in self._sparse_buckets:
-                result = self._sparse_results[self._bucket_of[i]]
-                if grad is not result:  # (where this rank's was reduced, in place, it is the result already)
-                    p.grad = result
+                p.grad = self._sparse_results[self._bucket_of[i]]
                 continue
             if grad is None:
                 p.grad = view if as_view else view.clone()
@@ -1245,6 +1261,13 @@ def _sparse_gradient_expected(module: nn.Module, params: list) -> list[bool]:
         for p in m.parameters(recurse=False):
             first.setdefault(id(p), m)
     return [isinstance(m := first.get(id(p)), (nn.Embedding, nn.EmbeddingBag)) and bool(m.sparse) for p in params]
+
+
+def _is_powersgd(hook) -> bool:
+    """PyTorch's PowerSGD hooks (which return a sparse bucket unreduced)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook  # noqa: PLC0415
+
+    return hook in (powerSGD_hook.powerSGD_hook, powerSGD_hook.batched_powerSGD_hook)
 
 
 def _empty_sparse(param: torch.Tensor) -> torch.Tensor:

@@ -216,10 +216,19 @@ class NativeInterface:
                 "until `init_sync_buffers` is available.", FutureWarning, stacklevel=3)
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self._delayed = []  # (name, param): reduced together after backward
-        for name, param in delay_all_reduce_named_params or ():
+        delayed = list(delay_all_reduce_named_params or ())
+        for name, param in delayed:
             self.parameters_to_ignore.add(name)
             if param.requires_grad:
                 self._delayed.append((name, param))
+        if sparse := [n for n, m in module.named_modules() for p in m.parameters(recurse=False)
+                      if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+                      and any(p is q for _, q in self._delayed)]:
+            raise ValueError(
+                f"delay_all_reduce_named_params holds the weight of {sparse[0]!r}, an nn.Embedding/EmbeddingBag with "
+                "sparse=True: the delayed parameters are all-reduced together as one dense buffer, which a sparse "
+                "gradient cannot join (native fails there too, or trains the ranks apart). Leave it out of "
+                "delay_all_reduce_named_params (its bucket is its own), or build the module with sparse=False")
         params = [p for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
         if not any(p.requires_grad for p in params):
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any parameter "

@@ -130,6 +130,10 @@ def run(case: str, transport: str) -> None:
 
         ddp = DistributedDataParallel(Table(), transport=transport)
         ddp(torch.tensor([1, 2, 3])).sum().backward()
+    elif case == "sparse_delayed":
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+        DistributedDataParallel(model, delay_all_reduce_named_params=[("0.weight", model[0].weight)],
+                                param_to_hook_all_reduce=model[1].weight, transport=transport)
     elif case == "sparse_on_one_rank":
         DistributedDataParallel(nn.Embedding(10, 4, sparse=last), transport=transport)
     elif case == "backward_twice":

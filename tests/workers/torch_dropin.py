@@ -1071,6 +1071,32 @@ def sparse_embeddings(transport):
     diff, _ = max_diff(sparse.module, dense.module)
     report(f"sparse_unused_vs_dense/{transport}", max_diff=diff, ranks_agree=same_on_every_rank(sparse.module.parameters()))
 
+    # (an audit, 2026-12-07) Two tables summed in the forward get gradients whose values share memory: native
+    # divides them in place, twice (half the mean); portddp divides copies -- as the dense tables train.
+    class Summed(SparseNet):
+        def forward(self, ids, bag_ids=None):
+            return self.fc(self.emb(ids) + self.emb2(ids % 7)).mean(1)
+
+    def summed(sparse_tables):
+        torch.manual_seed(3)
+        m = Summed()
+        m.emb2 = nn.Embedding(7, 6, sparse=sparse_tables)
+        m.emb.sparse = sparse_tables
+        return DistributedDataParallel(m, transport=transport, find_unused_parameters=True)  # (the bag: unused)
+
+    sparse, dense = summed(True), summed(False)
+    for ddp in (sparse, dense):
+        sgd()(ddp)
+    report(f"sparse_tables_summed/{transport}", max_diff=max_diff(sparse.module, dense.module)[0])
+    refused = ""
+    ddp = DistributedDataParallel(SparseNet(), transport=transport)
+    ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
+    try:
+        sgd()(ddp)
+    except RuntimeError as e:
+        refused = str(e)
+    report(f"sparse_powersgd/{transport}", refused="PowerSGD compresses dense buckets" in refused)
+
     # (a review, 2026-12-07) static_graph, the bag unused on rank 1 after the first step while its .grad stays
     # from before (zero_grad(set_to_none=False)): the mean replaces it there too, as a dense gradient's would.
     ddp = DistributedDataParallel(SparseNet(), transport=transport, static_graph=True)
