@@ -61,6 +61,8 @@ CASES = {
     "steps_in_one_jit": r"OK max_rel=",
     "two_ddps_in_one_jit": r"OK max_rel=",
     "uneven_steps_in_one_jit": r"OK max_rel=",
+    "rngs_as_third_argument": r"TypeError: grad_fn's third argument is sync \(True or False, a Python bool\), not "
+                              r"Rngs: give several inputs as one batch pytree",
     "extra_positional_input": r"TypeError: grad_fn's third argument is sync \(True or False, a Python bool\), not "
                               r"ArrayImpl shaped \(3, 1\): give several inputs as one batch pytree -- "
                               r"grad_fn\(params, \(x, y\)\)",

@@ -1363,8 +1363,10 @@ def _as_sync(sync) -> bool | str:
         return bool(sync)
     if isinstance(sync, jax.core.Tracer):
         return f"a traced {sync.dtype} value (sync must be known in Python when grad_fn is called)"
-    shape = getattr(sync, "shape", None)
-    if shape == () and np.dtype(getattr(sync, "dtype", np.float32)).kind in "bi" or type(sync) is int:
+    # (only an array's shape: an nnx.Rngs answers any attribute with a stream -- the MNIST tutorial's
+    # grad_fn(model, batch, rngs) failed here with "'RngStream' object is not iterable", an audit found)
+    shape = sync.shape if isinstance(sync, jax.Array | np.ndarray | np.generic) else None
+    if shape == () and np.dtype(sync.dtype).kind in "bi" or type(sync) is int:
         return bool(sync)
     return f"{type(sync).__name__}" + (f" shaped {tuple(shape)}" if shape is not None else "")
 

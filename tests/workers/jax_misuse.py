@@ -145,6 +145,15 @@ def uneven_steps_in_one_jit():
     return f"max_rel={worst:.1e}"
 
 
+def rngs_as_third_argument():
+    """The Flax MNIST tutorial's grad_fn(model, batch, rngs): named as sync's place (was "'RngStream' object is
+    not iterable": an nnx.Rngs answers any attribute, `shape` too -- an audit)."""
+    from flax import nnx  # noqa: PLC0415
+
+    params = init_params()
+    DistributedDataParallel(params).value_and_grad(loss_fn)(params, batch(0), nnx.Rngs(0))
+
+
 def extra_positional_input():
     """grad_fn(params, x, y): the third argument is sync, named as such (was numpy's "truth value of
     an array ... is ambiguous"), on every rank before any collective."""
@@ -763,6 +772,7 @@ CASES = {
     "two_ddps_in_one_jit": two_ddps_in_one_jit,
     "uneven_steps_in_one_jit": uneven_steps_in_one_jit,
     "extra_positional_input": extra_positional_input,
+    "rngs_as_third_argument": rngs_as_third_argument,
     "held_gradients_lent": held_gradients_lent,
     "dropped_ddp_is_freed": dropped_ddp_is_freed,
     "program_outlives_its_ddp": program_outlives_its_ddp,
