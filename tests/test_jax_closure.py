@@ -3,7 +3,9 @@ one was replaced (the step is then traced again: tests/test_jax_dropin.py, captu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +178,61 @@ def test_two_instances_of_one_loss_class_are_each_watched():
     assert watch.changed() is None
     b.temperature = 10.0
     assert watch.changed() == "self.temperature #2"
+
+
+class Frozen(typing.NamedTuple):
+    beta: float
+    scale: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slotted:
+    beta: float
+    epoch: int = 0
+
+
+class Plain:
+    __slots__ = ("beta", "unset")
+
+    def __init__(self, beta):
+        self.beta = beta
+
+    def loss(self, p, x):
+        return jnp.sum(p * x) * self.beta
+
+
+NT = Frozen(beta=0.5, scale=jnp.ones(2))
+SL = Slotted(beta=0.5)
+
+
+def reads_a_namedtuple(p, x):
+    return jnp.sum(p * x * NT.scale) * NT.beta
+
+
+def reads_a_slotted_dataclass(p, x):
+    return jnp.sum(p * x) * SL.beta
+
+
+def test_namedtuple_and_slots_hyper_parameters_are_watched():
+    """Found by an audit: a number in a NamedTuple (`hp = hp._replace(beta=...)`) or a `__slots__`
+    dataclass stayed at the first trace's value, silently (they have no `__dict__`)."""
+    global NT, SL
+    watch = learnt(reads_a_namedtuple, jnp.ones(2), jnp.ones(2))
+    assert watch.changed() is None
+    NT = NT._replace(beta=0.25)
+    assert watch.changed() == "NT.beta"
+    watch.learn(None)
+    NT = NT._replace(scale=jnp.ones(2))  # a new array: by identity, as everywhere
+    assert watch.changed() == "NT"
+
+    watch = learnt(reads_a_slotted_dataclass, jnp.ones(2), jnp.ones(2))
+    SL = dataclasses.replace(SL, epoch=1)  # not read by the loss
+    assert watch.changed() is None
+    SL = dataclasses.replace(SL, beta=2.0)
+    assert watch.changed() == "SL.beta"
+
+    plain = Plain(1.0)  # a method of a __slots__ class; one slot never assigned
+    watch = learnt(plain.loss, jnp.ones(2), jnp.ones(2))
+    assert watch.changed() is None
+    plain.beta = 3.0
+    assert watch.changed() == "self.beta"

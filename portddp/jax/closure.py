@@ -19,7 +19,9 @@ value is a new object, a JAX array being immutable (an NNX Variable's value too)
 by identity; numbers and strings bound to a name by value. Not seen: a number inside a
 container (the trace inlines numbers: whether it read one cannot be told), a numpy array
 changed in place, values reached through a module or class attribute (`config.scale` where
-`config` is a module), and attributes two objects deep (`cfg.optim.scale`).
+`config` is a module), and attributes two objects deep (`cfg.optim.scale`). An object's attributes
+are those it holds itself: in its `__dict__`, a NamedTuple's fields, `__slots__` (a frozen
+`dataclass(slots=True)`'s); a property's value is not computed.
 """
 
 from __future__ import annotations
@@ -113,10 +115,11 @@ def _snapshot(fn) -> list[tuple[str, list]]:
             values = _arrays_of(value)
             if values:
                 found.append((name, values))
-            elif attrs and _is_users_object(value):  # (hp.temperature: one level deep)
-                for attr in attrs:
-                    if attr in vars(value):
-                        consider(f"{name}.{attr}", vars(value)[attr], depth)
+            if attrs and _is_users_object(value):  # (hp.temperature: one level deep)
+                for attr, held in _attributes(value, attrs):
+                    # (beside arrays found above, the numbers: a NamedTuple's, which a trace inlines)
+                    if not values or isinstance(held, _SCALARS):
+                        consider(f"{name}.{attr}", held, depth)
 
     def visit(f, depth: int, where: str) -> None:
         if depth < 0 or id(f) in seen:
@@ -135,13 +138,12 @@ def _snapshot(fn) -> list[tuple[str, list]]:
             return
         if isinstance(f, types.MethodType):
             owner = f.__self__
-            if _arrays_of(owner) or not hasattr(owner, "__dict__") or isinstance(owner, type):
-                consider(f"{where}.__self__", owner, depth + 1)
+            read = _attributes_of(f.__func__.__code__) if hasattr(f.__func__, "__code__") else ()
+            if _arrays_of(owner) or not _is_users_object(owner):
+                consider(f"{where}.__self__", owner, depth + 1, read)
             else:  # an object of the user's: the attributes the method reads (self.temperature)
-                read = _attributes_of(f.__func__.__code__) if hasattr(f.__func__, "__code__") else ()
-                for attr in read:
-                    if attr in vars(owner):
-                        consider(f"self.{attr}", vars(owner)[attr], depth + 1)
+                for attr, held in _attributes(owner, read):
+                    consider(f"self.{attr}", held, depth + 1)
             visit(f.__func__, depth, where)
             return
         if not isinstance(f, types.FunctionType) or (f.__module__ or "").split(".")[0] in _LIBRARIES:
@@ -171,9 +173,46 @@ def _snapshot(fn) -> list[tuple[str, list]]:
 
 
 def _is_users_object(value) -> bool:
-    """An instance of a class of the user's own code (not of a library's, not a class or module)."""
-    return (hasattr(value, "__dict__") and not isinstance(value, (type, types.ModuleType))
-            and (type(value).__module__ or "").split(".")[0] not in _LIBRARIES)
+    """An instance of a class of the user's own code (not of a library's, not a class or module) that
+    holds attributes: in its `__dict__`, as a NamedTuple's fields or in `__slots__`."""
+    return (not isinstance(value, (type, types.ModuleType))
+            and (type(value).__module__ or "").split(".")[0] not in _LIBRARIES
+            and (hasattr(value, "__dict__") or bool(_slots_of(type(value)))))
+
+
+def _attributes(value, names: tuple[str, ...]) -> list[tuple[str, object]]:
+    """[(name, value)] of the attributes among `names` that `value` -- an object of the user's -- holds
+    itself: in its `__dict__`, or as a NamedTuple's field or a `__slots__` entry (a frozen
+    `dataclass(slots=True)`'s too). Read without calling anything of the user's (no properties, no
+    `__getattr__`)."""
+    own = vars(value) if hasattr(value, "__dict__") else {}
+    slots = _slots_of(type(value))
+    out = []
+    for name in names:
+        if name in own:
+            out.append((name, own[name]))
+        elif name in slots:
+            try:
+                out.append((name, slots[name].__get__(value, type(value))))
+            except AttributeError:  # (a slot not assigned)
+                pass
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _slots_of(cls: type) -> dict[str, object]:
+    """{name: descriptor} of the fields a class keeps outside a `__dict__`: a NamedTuple's (its
+    `_fields`, read through the class's tuple-index properties) and `__slots__` members, over its
+    bases."""
+    out: dict[str, object] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # (not object)
+        if issubclass(klass, tuple) and hasattr(klass, "_fields"):
+            out.update((name, klass.__dict__[name]) for name in klass._fields if name in klass.__dict__)
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if isinstance(klass.__dict__.get(name), types.MemberDescriptorType):
+                out[name] = klass.__dict__[name]
+    return out
 
 
 def _call_of(value):
