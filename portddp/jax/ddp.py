@@ -462,7 +462,10 @@ class DistributedDataParallel(DDPCommon):
         self._grad_fns[key] = (parts, grad_fn)
         while len(self._grad_fns) > _GRAD_FNS_KEPT:
             self._grad_fns.popitem(last=False)
-        code = getattr(loss_fn, "__code__", None) or getattr(getattr(type(loss_fn), "__call__", None), "__code__", None)
+        made = loss_fn
+        while isinstance(made, functools.partial):  # (a partial made per step: the code of what it wraps)
+            made = made.func
+        code = getattr(made, "__code__", None) or getattr(getattr(type(made), "__call__", None), "__code__", None)
         if code is not None:
             self._grad_fn_codes[code] += 1
             if self._grad_fn_codes[code] == 2 * _GRAD_FNS_KEPT:  # (more than a script keeps alive on purpose)

@@ -14,6 +14,7 @@ rank before it leaves a collective half done, so the next case starts clean.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -597,11 +598,16 @@ def abstract_init(strategy, apart=True):
     return f"loss={float(loss):.3f}"
 
 
+def scaled_loss(p, x, k):
+    return loss_fn(p, x) * k
+
+
 def grad_fn_built_every_step(strategy, new_lambdas=0):
     """grad_fn built inside the step (Flax's tutorials' shape, eager under compiled/pmap): the same
     loss_fn gives the same grad_fn and program (an audit: a new trace and compile at every step, all
     kept); a new lambda at every step gets a new one, the grad_fns remembered -- and so the programs
-    kept -- bounded (here to 4), and a warning once twice that many came from the same code; a bound method
+    kept -- bounded (here to 4), and a warning once twice that many came from the same code (a lambda's, a
+    functools.partial's function's: one each); a bound method
     asked for again (a new object each time) is the same grad_fn too."""
     import gc  # noqa: PLC0415
     import warnings  # noqa: PLC0415
@@ -621,6 +627,7 @@ def grad_fn_built_every_step(strategy, new_lambdas=0):
             warnings.simplefilter("always")
             for step in range(new_lambdas):
                 ddp.value_and_grad(lambda p, x, k=float(step): loss_fn(p, x) * k)(params, batch(step))
+                ddp.value_and_grad(functools.partial(scaled_loss, k=float(step)))(params, batch(step))
     finally:
         portddp.jax.ddp._GRAD_FNS_KEPT = kept
     gc.collect()  # (the grad_fns forgotten, and with them their programs)
