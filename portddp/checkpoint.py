@@ -109,6 +109,8 @@ class Checkpoint:
 #                                                       "jaxkey" (a typed PRNG key array's data, and
 #                                                       "impl": its kind, e.g. "threefry2x32");
 #                                                       dt: the dtype of a raw unsigned view (bfloat16...)
+#   {"$coo": [size], "i": indices, "v": values, "c": coalesced}  a sparse COO torch tensor (the momentum
+#                                                       of SGD on an nn.Embedding(sparse=True))
 def encode(tree, arrays: dict, where: str = "") -> object:
     """`tree` as a JSON value; its arrays go into `arrays` (name -> numpy array)."""
     if tree is None or isinstance(tree, (bool, str)):
@@ -117,6 +119,13 @@ def encode(tree, arrays: dict, where: str = "") -> object:
         return tree
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(tree, torch.Tensor):
+        if tree.layout == torch.sparse_coo:
+            return {"$coo": list(tree.shape), "c": tree.is_coalesced(),
+                    "i": encode(tree._indices(), arrays, f"{where} indices"),
+                    "v": encode(tree._values(), arrays, f"{where} values")}
+        if tree.layout != torch.strided:
+            raise TypeError(f"a checkpoint cannot hold the {tree.layout} tensor at {where or 'the top'}: it stores "
+                            "dense and sparse COO tensors (convert it first, e.g. .to_sparse_coo() or .to_dense())")
         return _array(*_torch_to_numpy(tree, torch), "torch", arrays, where)
     jax = sys.modules.get("jax")
     if jax is not None and isinstance(tree, jax.Array):
@@ -184,6 +193,11 @@ def decode(value, arrays) -> object:
         return tuple(decode(v, arrays) for v in value["$t"])
     if "$nt" in value:
         return _named_tuple(value["$nt"], value["f"])(*(decode(v, arrays) for v in value["v"]))
+    if "$coo" in value:
+        import torch  # noqa: PLC0415
+
+        return torch.sparse_coo_tensor(decode(value["i"], arrays), decode(value["v"], arrays), value["$coo"],
+                                       is_coalesced=value["c"])
     raise CheckpointError(f"unknown entry in the checkpoint's structure: {sorted(value)}")
 
 

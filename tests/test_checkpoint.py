@@ -32,8 +32,14 @@ def same(a, b, where="") -> None:
         for i, (x, y) in enumerate(zip(a, b)):
             same(x, y, f"{where}[{i}]")
     elif type(a).__module__ == "torch":
-        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.dtype == b.dtype and a.shape == b.shape and a.layout == b.layout, where
         import torch  # noqa: PLC0415
+
+        if a.layout == torch.sparse_coo:
+            assert a.is_coalesced() == b.is_coalesced(), where
+            same(a._indices(), b._indices(), f"{where} indices")
+            same(a._values(), b._values(), f"{where} values")
+            return
 
         assert torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
                            b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8)), where
@@ -91,6 +97,32 @@ def test_torch_states_round_trip_exactly():
         same(sd, roundtrip(sd))
     tensor_bf16 = torch.tensor(3.0, dtype=torch.bfloat16)  # a 0-d tensor of a dtype numpy lacks
     same(tensor_bf16, roundtrip(tensor_bf16))
+
+
+def test_sparse_optimizer_state_round_trips_exactly_and_other_layouts_are_refused():
+    """SGD with momentum on an nn.Embedding(sparse=True) keeps its momentum as a sparse COO tensor
+    (portddp.torch reduces sparse gradients): saved and loaded as it was, coalesced or not."""
+    torch = pytest.importorskip("torch")
+    from torch import nn  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    table = nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(table.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        table(torch.tensor([1, 4, 4, 7])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()
+    assert state["state"][0]["momentum_buffer"].layout == torch.sparse_coo
+    back = roundtrip(state)
+    same(state, back)
+    fresh = torch.optim.SGD(table.parameters(), lr=0.1, momentum=0.9)
+    fresh.load_state_dict(back)
+    same(fresh.state_dict(), state)
+    raw = torch.sparse_coo_tensor(torch.tensor([[2, 0, 2]]), torch.tensor([1.0, 2.0, 3.0]), (4,))  # uncoalesced
+    same(raw, roundtrip(raw))
+    with pytest.raises(TypeError, match=r"torch\.sparse_csr tensor at \['m'\].*dense and sparse COO"):
+        checkpoint.pack({"m": torch.eye(2).to_sparse_csr()})
 
 
 def test_optax_and_jax_states_round_trip_exactly():
