@@ -127,7 +127,7 @@ BAD = [
     ("buffers_flag_differs", TRANSPORTS, r"broadcast_buffers/forward_sync_buffers is True on rank 0 but False on rank 1"),
     ("transport_differs", ("c10d",), r"transport is 'c10d' on rank 0 but 'mpi' on rank 1"),
     ("sparse_gradient_outside_embedding", TRANSPORTS, r"parameter 'weight' has a torch\.sparse_coo gradient, but it is not the weight of an nn\.Embedding or nn\.EmbeddingBag with sparse=True"),
-    ("sparse_delayed", ("mpi",), r"delay_all_reduce_named_params holds the weight of '0', an nn\.Embedding/EmbeddingBag with sparse=True"),
+    ("sparse_delayed", ("mpi",), r"delay_all_reduce_named_params holds '0\.weight', the weight of an nn\.Embedding/EmbeddingBag with sparse=True"),
     ("sparse_on_one_rank", ("c10d",), r"model mismatch across ranks: parameter #0 is 'weight' \(10, 4\) float32 on rank 0 but 'weight' \(10, 4\) float32 with a sparse gradient \(nn\.Embedding\(sparse=True\)\) on rank 1"),
     ("backward_twice", ("c10d",), r"gradient of '(weight|bias)' arrived outside a DDP iteration: run one backward per forward"),
     ("modified_after_wrap", ("mpi",), r"the module's trainable parameters changed after DistributedDataParallel wrapped it: 2 then, 4 now \(added: \['1\.weight', '1\.bias'\]"),

@@ -221,11 +221,12 @@ class NativeInterface:
             self.parameters_to_ignore.add(name)
             if param.requires_grad:
                 self._delayed.append((name, param))
-        if sparse := [n for n, m in module.named_modules() for p in m.parameters(recurse=False)
-                      if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-                      and any(p is q for _, q in self._delayed)]:
+        from portddp.torch.ddp import _sparse_gradient_expected  # noqa: PLC0415 -- (ddp.py mixes this class in)
+
+        if sparse := [name for (name, _), expected in
+                      zip(self._delayed, _sparse_gradient_expected(module, [p for _, p in self._delayed])) if expected]:
             raise ValueError(
-                f"delay_all_reduce_named_params holds the weight of {sparse[0]!r}, an nn.Embedding/EmbeddingBag with "
+                f"delay_all_reduce_named_params holds {sparse[0]!r}, the weight of an nn.Embedding/EmbeddingBag with "
                 "sparse=True: the delayed parameters are all-reduced together as one dense buffer, which a sparse "
                 "gradient cannot join (native fails there too, or trains the ranks apart). Leave it out of "
                 "delay_all_reduce_named_params (its bucket is its own), or build the module with sparse=False")
