@@ -107,6 +107,16 @@ def test_plain_attributes_the_forward_changes_are_kept_as_nnx_value_and_grad_kee
         assert row["rows"][0] == row["rows"][1], row  # the batch rows the last forward saw, step by step
 
 
+@pytest.mark.parametrize("strategy", ["hooked", "compiled", "pmap"])
+def test_a_value_sown_by_an_evaluation_is_popped_by_the_next_step_as_under_nnx(two_ranks, pmap_world, strategy):
+    """Flax's VAE example: an evaluation forward between steps sows a value, the next step's loss_fn pops
+    it with its own -- that step's loss holds both, as under nnx.value_and_grad, and the model holds neither
+    after it (compiled and pmap refused the step; hooked kept the stale value in the model for ever)."""
+    for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"sown/{strategy}")[1]:
+        assert all(abs(got - want) <= 1e-12 * abs(want) for got, want in row["losses"]), row
+        assert row["max_rel"] <= 1e-12 and row["left"] == [0, 0, 0, 0], row
+
+
 @pytest.mark.parametrize("strategy", ["compiled", "pmap"])
 def test_a_change_of_the_trained_state_on_one_shard_is_refused_everywhere(two_ranks, pmap_world, strategy):
     for row in mpi.each_rank(pmap_world if strategy == "pmap" else two_ranks, f"changed_on_one_shard/{strategy}")[1]:

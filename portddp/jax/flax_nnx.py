@@ -380,9 +380,16 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
         before = _plain_attributes(model)
         loss, aux = checked(model, batch)
         after = _plain_attributes(model)
-        traced.append(tuple((k, v) for k, v in after.items() if k not in before or before[k] is not v
-                            and before[k] != v))
         _, trained, buffers, other = split(model, paths(state[1]), ddp._nnx_wrt)
+        # Variables loss_fn removed -- a value sown by an evaluation forward between two steps, popped by
+        # loss_fn with this step's (Flax's VAE example): nnx.value_and_grad removes them from the model. The
+        # step hands back their old values in their places (a compiled step's state keeps its structure),
+        # and grad_fn removes them from the model after it.
+        removed = paths(state[1]) - paths(other)
+        if removed:
+            other = nnx.merge_state(other, state[1].filter(lambda path, _x: path in removed))
+        traced.append((tuple((k, v) for k, v in after.items() if k not in before or before[k] is not v
+                             and before[k] != v), removed))
         return loss, ((aux, _moved(params, trained)), (buffers, other))
 
     step = ddp._grad_step(pure, loss_fn)
@@ -410,12 +417,15 @@ def value_and_grad(ddp, loss_fn, has_aux: bool):
                 unchecked.append((_paths_only(params), moved))
         nnx.update(model, buffers, other)
         # (only traces that changed something are kept: a model that changes none pays nothing per step)
-        if batch is not ddp.JOINED and (traced and traced[-1] or plain_changes):
+        if batch is not ddp.JOINED and (traced and any(traced[-1]) or plain_changes):
             key = (graphdef, _signature(inputs))
             if traced:  # traced by this call (its last trace, if it traced twice: they saw the same inputs)
                 plain_changes[key] = traced[-1]
-            if plain_changes.get(key):
-                _set_plain_attributes(model, plain_changes[key])
+            changes, removed = plain_changes.get(key, ((), ()))
+            if removed:
+                nnx.pop(model, lambda path, _x: path in removed)
+            if changes:
+                _set_plain_attributes(model, changes)
         return ((loss, aux) if has_aux else loss), grads
 
     return grad_fn

@@ -376,6 +376,48 @@ def plain_attributes(strategy: str):
                   reference=[reference.calls, reference.mode], max_rel=worst, rows=[rows, seen])
 
 
+class Sown(nnx.Module):
+    """A forward that sows a value (the NNX VAE example's KL term), which its loss pops."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.arange(IN * OUT, dtype=F64).reshape(IN, OUT) / 10)
+
+    def __call__(self, x):
+        y = x @ self.w
+        self.sow(nnx.Intermediate, "energy", jnp.mean(y ** 2))
+        return y
+
+
+def sown_loss(model, batch):
+    return squared_error(model, batch) + 0.1 * sum(jax.tree.leaves(nnx.pop(model, nnx.Intermediate)))
+
+
+def sown_after_evaluation(strategy: str):
+    """An evaluation forward between steps sows a value that the next step's loss_fn pops with its own,
+    as in Flax's VAE example: as under nnx.value_and_grad, that step's loss holds both and the model holds
+    neither after it (compiled and pmap refused the step: "the step changed the structure of the model's
+    state"; hooked left the stale value in the model, counted again at every later step)."""
+    model, reference = Sown(), Sown()
+    ddp = DistributedDataParallel(model, strategy=strategy)
+    world = WORLD.size if strategy != "pmap" else ddp.world_size
+    shards = [batch_of(r, 0) for r in range(world)]
+    whole = tuple(np.concatenate(parts) for parts in zip(*shards))
+    mine = whole if strategy == "pmap" else shards[WORLD.rank]
+    grad_fn, native = ddp.nnx_value_and_grad(sown_loss), nnx.value_and_grad(sown_loss)
+    losses, worst, left = [], 0.0, []
+    for step in range(4):
+        if step % 2 == 0:  # an evaluation forward, on another batch
+            for m in (model, reference):
+                m(batch_of(WORLD.rank, 7)[0])
+        loss, grads = grad_fn(model, mine)
+        want_loss, _ = native(reference, mine)
+        _, want = nnx.value_and_grad(sown_loss)(Sown(), whole)  # the global batch's gradient, no stale value
+        losses.append([float(loss), float(want_loss)])
+        worst = max(worst, rel_diff(nnx.state(grads, nnx.Param), nnx.state(want, nnx.Param)))
+        left.append(len(jax.tree.leaves(nnx.state(model, nnx.Intermediate))))
+    common.report(WORLD.rank, f"sown/{strategy}", losses=losses, max_rel=worst, left=left)
+
+
 class Partitioned(nnx.Module):
     """A kernel annotated with nnx.with_partitioning, which Flax creates only under a mesh."""
 
@@ -613,6 +655,7 @@ def main(strategies):
         has_aux(strategy)
         python_number_state(strategy)
         plain_attributes(strategy)
+        sown_after_evaluation(strategy)
         wrt_subset(strategy)
         scalar_batch_leaf(strategy)
         captured_values(strategy)
