@@ -372,16 +372,24 @@ def buffer_layout(shapes_and_dtypes: Sequence[tuple]) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def check_buffer_sync_header(theirs: Sequence[int], mine: Sequence[int], src: int, rank: int) -> None:
+def check_buffer_sync_header(theirs: Sequence[int], mine: Sequence[int], src: int, rank: int,
+                             any_forward: bool = False) -> None:
     """Raise if the buffers just received were sent for another forward than this rank's.
 
-    A forward through the DDP wrapper on some ranks only (rank-0-only evaluation) broadcasts
-    buffers the others never receive in that forward: with MPI the broadcast completes at once and
-    every later forward of the others would start from buffers one forward old, silently."""
+    A forward on some ranks only broadcasts buffers the others receive in another forward.
+    `any_forward` (portddp.torch): that is legal when only the kind of forward differs -- native
+    DDP syncs buffers before a forward that follows a synchronising one, so `if rank == 0:
+    evaluate(ddp)` under no_grad between two steps (nanoGPT's estimate_loss on a model with
+    buffers) sends rank 0's buffers in its first evaluation forward, which the others receive in
+    their next training forward, and rank 0's next training forward sends none: the same buffers
+    at the same forwards as without it. The iteration count, the number of syncs and the layout
+    must still agree."""
     if list(theirs) == list(mine):
         return
     it_src, sync_src, n_src, layout_src = theirs
     it_me, sync_me, n_me, layout_me = mine
+    if any_forward and [it_src, n_src, layout_src] == [it_me, n_me, layout_me]:
+        return
     if [it_src, sync_src, n_src] == [it_me, sync_me, n_me] and layout_src != layout_me:
         raise RuntimeError(
             f"the buffers rank {src} broadcast differ in shape or dtype from this rank's ({rank}), so this rank's "

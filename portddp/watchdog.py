@@ -92,6 +92,7 @@ EXIT_CODE = 70
 """The exit status of a rank that stopped because another rank was lost (EX_SOFTWARE)."""
 
 _BYE, _FAILED, _STOPPED = b"B", b"F", b"S"
+_PEERS_PRINT_S = 2.0  # the longest a rank that stops the job waits for the others to print their lines
 # The stall inspector: "report your state" (from the inspecting rank), the answer (JSON), and "I have
 # waited past PORTDDP_STALL_S" (to the inspecting rank).
 _QUERY, _ANSWER, _STALLED = b"Q", b"A", b"W"
@@ -421,6 +422,7 @@ class Watchdog:
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending = {r: b"" for r in self.socks}
+        self._stopped: set[int] = set()  # peers that told this rank they stop (their line printed)
         # rank -> (synchronised iterations it finished, collectives it issued, the last one's name) at leaving
         self._departed: dict[int, tuple[int, int | None, str]] = {}
         self._departed_at: dict[int, float] = {}
@@ -566,6 +568,8 @@ class Watchdog:
             if what == "":
                 self._forget(r)
             elif what is not None:
+                if kind == _STOPPED:
+                    self._stopped.add(r)  # (it has printed its line: _exit need not wait for it)
                 self._exit(what)
 
     def _verdict(self, r: int, message: bytes, closed: bool) -> str | None:
@@ -635,7 +639,7 @@ class Watchdog:
         return (f"{left}, while {where}. Give every rank the same number of batches (e.g. DistributedSampler with "
                 "drop_last=True), or wrap the training loop in `with ddp.join():` for uneven inputs (portddp.jax: "
                 "`for batch in ddp.uneven(batches):`); every rank must make the same portddp calls (construction, "
-                "checkpoint saves) before it ends")
+                "checkpoint saves, forwards through the wrapper: evaluate on one rank through ddp.module) before it ends")
 
     def check_departed(self) -> None:
         """From step_started(): a peer that already left makes this iteration impossible -- once its
@@ -713,6 +717,7 @@ class Watchdog:
             self._send(r, kind, text)
 
     def _exit(self, what: str, detail: str = "", code: int = EXIT_CODE) -> None:
+        """Print why this rank ends, tell the others, and exit once they have printed theirs."""
         with self._lock:
             if self._done:
                 return
@@ -724,8 +729,48 @@ class Watchdog:
             unlink_mpi_shared_memory()  # first: mpirun kills the others as soon as one rank is gone
             os.write(2, msg.encode())
             self._tell_all(_STOPPED, what)  # the others then name the first failure, not this rank
+            self._await_peers(_PEERS_PRINT_S)
         finally:
             os._exit(code)
+
+    def _await_peers(self, timeout: float) -> None:
+        """Until every peer has printed its own line -- it says so (_STOPPED: every rank that stops tells
+        the others after printing, so no two wait for each other) or its connection closes -- or `timeout`:
+        mpirun kills every rank as soon as one exits with an error, and a peer whose thread had not yet run
+        (a loaded machine) died without a word (seen in the suite, about 1 run in 10 under load)."""
+        waiting = {s: r for r, s in self.socks.items() if r not in self._stopped}
+        pending = {r: self._pending.get(r, b"") for r in self.socks}
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            for s in list(waiting):
+                try:
+                    s.setblocking(False)
+                    sel.register(s, selectors.EVENT_READ)
+                except (OSError, ValueError, KeyError):  # (closed already: that peer is gone)
+                    del waiting[s]
+            while waiting and (left := deadline - time.monotonic()) > 0:
+                for s in [s for s, r in waiting.items() if r in self._stopped]:  # (heard by the thread meanwhile)
+                    del waiting[s]
+                    sel.unregister(s)
+                try:
+                    ready = sel.select(min(left, 0.05))
+                except (OSError, ValueError):
+                    return
+                for key, _ in ready:
+                    s = key.fileobj
+                    try:
+                        data = s.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    r = waiting.get(s)
+                    if r is None:
+                        continue
+                    *lines, pending[r] = (pending[r] + data).split(b"\n")
+                    if not data or any(line[:1] == _STOPPED for line in lines):
+                        del waiting[s]
+                        sel.unregister(s)
 
     # ------------------------------------------------------------- this rank ends
     def _on_uncaught(self, kind, value, tb) -> None:

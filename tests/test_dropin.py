@@ -26,7 +26,7 @@ SCENARIOS = [
     "late_fp16", "late_fp16_after_eval_forward", "builtin_allreduce", "builtin_fp16_compress",
     "post_accumulate_hook_after_wrap", "unused_buckets_as_native", "buffer_registered_after_wrap",
     "complex_allreduce_hook", "pruned_after_wrap", "frozen_teacher", "static_graph_dataclass_output", "checkpoint_state_dict",
-    "forwards_per_backward", "fused_sgd", "fused_adam",
+    "forwards_per_backward", "rank0_eval", "fused_sgd", "fused_adam",
     "sparse_adam", "sparse_nosync", "sparse_view_static", "sparse_hook", "sparse_join",
     "sink_find_unused", "sink_find_unused_nosync", "sink_static_graph", "sink_plain", "sink_sigmoid_clamped",
     "penalty_find_unused", "penalty_plain",

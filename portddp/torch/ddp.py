@@ -687,7 +687,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                         "on some ranks differs; make it the same everywhere, keep per-rank state out of the "
                         "module's buffers, or pass broadcast_buffers=False") from e
             if not joined and self.rank != src:
-                check_buffer_sync_header(header.tolist(), mine, src, self.rank)
+                check_buffer_sync_header(header.tolist(), mine, src, self.rank, any_forward=True)
 
     def _begin_iteration(self, start_ns: int) -> None:
         n_buckets = len(self._bucket_buffers)

@@ -294,12 +294,12 @@ def run(case: str, transport: str) -> None:
             ddp(torch.ones(2, 4)).sum().backward()
         if not last:
             checkpoint.save(os.environ["PORTDDP_TEST_DIR"] + "/ckpt", ddp, step=2, collective=True)
-    elif case == "rank0_only_eval":  # the native idiom `if rank == 0: evaluate`, through the wrapper
+    elif case == "rank0_only_eval":  # `if rank == 0: evaluate` through the wrapper, after the last step
         model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
         ddp = DistributedDataParallel(model, transport=transport)
         for step in range(4):
             ddp(torch.randn(8, 4) + w.rank).sum().backward()
-            if step == 1 and w.rank == 0:
+            if step == 3 and w.rank == 0:
                 ddp.eval()
                 with torch.no_grad():
                     ddp(torch.randn(8, 4))

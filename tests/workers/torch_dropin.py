@@ -273,6 +273,38 @@ def forwards_per_backward(transport):
     compare("forwards_per_backward", transport, native, ours, train)
 
 
+def rank0_eval(transport):
+    """`if rank == 0: evaluate(ddp)` under no_grad between steps, through the wrapper, on a model with
+    buffers (nanoGPT's estimate_loss, with its causal-mask buffer): native pairs rank 0's buffer
+    broadcast in its first evaluation forward with the others' next training forward, and rank 0's next
+    training forward sends none -- the same buffers at the same forwards as without it. Evaluations in
+    eval mode and in train mode (BatchNorm's statistics move after the broadcast, on rank 0 only, as
+    native), after steps of two accumulated micro-batches (require_backward_grad_sync toggled, as
+    nanoGPT) and of one. Bitwise as native (portddp refused it: 'a forward of the wrapper ran on some
+    ranks only')."""
+    def train(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        rank = dist.get_rank()
+        for step in range(6):
+            micro = 2 if step < 3 else 1
+            for m in range(micro):
+                ddp.require_backward_grad_sync = m == micro - 1
+                x, y = batch(10 * step + m, rank)
+                nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if rank == 0 and step in (1, 2, 4):
+                ddp.train(step == 2)  # (step 2: no_grad forwards in train mode)
+                with torch.no_grad():
+                    for k in range(3):
+                        ddp(batch(100 + k, 0)[0])
+                ddp.train()
+        ddp.require_backward_grad_sync = True
+
+    native, ours = pair(transport, model_kw={"batchnorm": True})
+    compare("rank0_eval", transport, native, ours, train)
+
+
 def late_hook(transport):
     """A comm hook registered after two steps (compression switched on after a warm-up), as native
     allows: it reduces from the next iteration on -- also when registered between a forward and its
@@ -1129,7 +1161,7 @@ SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, un
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
-             static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward, fused_optim,
+             static_graph_dataclass_output, checkpoint_state_dict, padding_hook, forwards_per_backward, rank0_eval, fused_optim,
              sparse_embeddings, outputs_through_the_sink, gradient_penalty]
 
 
