@@ -98,6 +98,8 @@ class DDPCommon:
         order = np.full(len(self._plan.specs), -1, np.int64)
         if self._rebuild_order is not None:
             order[: len(self._rebuild_order)] = self._rebuild_order
+        else:  # (a joined rank that never trained: rank 0's counts only if it is rank 0)
+            order[:] = np.arange(len(order))
         if self.world_size > 1:
             self._issue("plan rebuild (rank 0's gradient order)")
             with watchdog.waiting():

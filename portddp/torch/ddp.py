@@ -548,11 +548,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if grad_sync:
             self._check_prior_reduction_finished()
+        # Inside `with ddp.join()` only: "I still have inputs" (c10d). Before the rebuild, as native's: a
+        # joined rank's Join loop meets this first, then shadows the rebuild (_shadow_iteration).
+        Join.notify_join_context(self)
+        if grad_sync:
             if self._tuner is not None and not self._tuner.done:
                 self._autotune(start)
             if self._rebuild_order is not None:
                 self._rebuild()
-        Join.notify_join_context(self)  # inside `with ddp.join()` only: "I still have inputs" (c10d)
         if self._will_sync_buffers():
             self._sync_buffers(grad_sync)
         if self._join_config.enable:
@@ -1144,7 +1147,11 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
     def _shadow_iteration(self) -> None:
         """join(): this rank has no inputs left; issue the collectives of the others' forward
         and backward (in the same order as _pre_forward and _finalize do)."""
-        if self._rebuild_order is not None:
+        # The others re-plan at the forward after their first synchronised iteration: so does a rank that
+        # joined before it had one (no batch at all), taking rank 0's order (as native's joined rank, which
+        # pushes every parameter as observed; with rank 0 joined so, that is the parameters' order).
+        if self._rebuild_order is not None or not self._rebuilt and self._iterations >= 1 and (
+                self.static_graph or not self.find_unused_parameters):
             self._rebuild()
         if self._will_sync_buffers():
             self._sync_buffers(True, joined=True)

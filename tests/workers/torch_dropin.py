@@ -183,6 +183,22 @@ def uneven(transport, divide_by_initial_world_size=True):
     compare(name, transport, native, ours, train)
 
 
+def join_before_the_rebuild(transport):
+    """join() where a rank joins before its first step (no batch at all: rank 1) or right after it (rank 2
+    at n=3), so before the plan rebuild the others make at their second step: its shadow meets their
+    rebuild as native's joined rank does (portddp's hung -- c10d: the rebuild's broadcast crossed the
+    join notice; MPI: the joined rank kept the old buckets). Bitwise as native."""
+    def train(ddp):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        with ddp.join():
+            for step in range((4, 0, 1)[dist.get_rank()]):
+                opt.zero_grad()
+                loss_of(ddp, step, dist.get_rank()).backward()
+                opt.step()
+    native, ours = pair(transport, model_kw={"batchnorm": True}, ddp_kw={"bucket_cap_mb": CAP_MB})
+    compare("join_before_the_rebuild", transport, native, ours, train)
+
+
 def uneven_throw(transport):
     """join(throw_on_early_termination=True): every rank raises once one runs out."""
     ours = DistributedDataParallel(make(), bucket_cap_mb=CAP_MB, transport=transport)
@@ -1157,7 +1173,7 @@ def uneven_effective_world(transport):
     uneven(transport, divide_by_initial_world_size=False)
 
 
-SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world, late_hook, builtin_hooks,
+SCENARIOS = [native_signature, module_interface, compiled, accumulation, amp, uneven, uneven_effective_world, join_before_the_rebuild, late_hook, builtin_hooks,
              uneven_throw, powersgd, buffer_sync, nosync_unused, join_unused,
              static_graph_checkpoint, static_graph_ignored_output, undefined_grad, rewrap, init_and_delay,
              script_patterns, layouts_and_freezing, user_hooks_and_plans, frozen_teacher,
