@@ -313,8 +313,9 @@ def _previous(path: Path) -> Path:
     return path.with_name(path.name + ".prev")
 
 
-def read(path):
-    """The verified payload of a checkpoint file (no collective; raises CheckpointError)."""
+def read(path, with_digest: bool = False):
+    """The verified payload of a checkpoint file (no collective; raises CheckpointError); with
+    `with_digest`, (payload, the SHA-256 of its payload in hex)."""
     path = Path(path)
     prev = _previous(path)
     fix = (f"; the previous checkpoint {prev} is intact -- resume from it with load('{prev}', ...)"
@@ -339,7 +340,7 @@ def read(path):
     if hashlib.sha256(body).digest() != digest:
         raise CheckpointError(f"{path} is corrupt: the SHA-256 of its payload does not match its header{fix}")
     try:
-        return unpack(body)
+        return (unpack(body), digest.hex()) if with_digest else unpack(body)
     except CheckpointError:
         raise
     except (ValueError, KeyError, OSError) as e:
@@ -514,24 +515,30 @@ def load(path, ddp, *, optimizer=None) -> Checkpoint:
     load while rank 0 is still writing (they would find no file, or its temporary one)."""
     frontend = _frontend(ddp)
     launch.allgather_object(None, name="checkpoint load")
-    error, payload, used = None, None, Path(path)
+    error, payload, used, digest = None, None, Path(path), None
     try:
         used = find(path)
-        payload = read(used)
+        payload, digest = read(used, with_digest=True)
         _check_matches(payload, ddp, used, frontend)
     except CheckpointError as e:
         error = str(e)
     rank = launch.world().rank
-    everyone = launch.allgather_object((error, str(used), payload["step"] if payload else None),
+    everyone = launch.allgather_object((error, str(used), payload["step"] if payload else None, digest),
                                        name="checkpoint load: read")
-    bad = [(r, e) for r, (e, _, _) in enumerate(everyone) if e]
+    bad = [(r, e) for r, (e, _, _, _) in enumerate(everyone) if e]
     if bad:
         r, e = bad[0]
         raise CheckpointError(error or f"rank {r} cannot load the checkpoint: {e}")
-    if len({(u, s) for _, u, s in everyone}) > 1:
+    if len({(u, s) for _, u, s, _ in everyone}) > 1:
         raise CheckpointError("the ranks would load different checkpoints: " + "; ".join(
-            f"rank {r}: {u} (step {s})" for r, (_, u, s) in enumerate(everyone)) + ". Give every rank the same "
+            f"rank {r}: {u} (step {s})" for r, (_, u, s, _) in enumerate(everyone)) + ". Give every rank the same "
             "path on a file system they share")
+    if len({d for _, _, _, d in everyone}) > 1:  # (the same path and step, other contents: node-local disks)
+        raise CheckpointError(
+            f"the ranks read different checkpoints at {used} (step {payload['step']}): the SHA-256 of its payload "
+            "is " + ", ".join(f"{d[:12]} on rank {r}" for r, (_, _, _, d) in enumerate(everyone)) + " -- each "
+            "rank found its own file (a node-local disk?), and the replicas would resume apart. Give every rank "
+            "the same file: a file system they share, or rank 0's file copied to every node")
     if used != Path(path) and rank == 0:
         sys.stderr.write(f"portddp: {path} is missing (a save interrupted between its two renames?); loading {used}, "
                          f"the newest intact checkpoint beside it (step {payload['step']})\n")

@@ -274,6 +274,16 @@ def test_a_save_killed_between_its_renames_resumes_from_the_newest_intact_file(t
         assert Path(row["used"]).name == ".interrupted.ckpt.tmp-999999" and row["step"] == 7, row
 
 
+def test_files_of_other_contents_at_the_same_path_and_step_are_refused_on_every_rank(two_jobs):
+    """Node-local disks: each rank finds its own file at the same path and step (an audit: each resumed
+    from its own, the replicas apart, silently)."""
+    for rank in (0, 1):
+        message = two_jobs["node_local", rank]["message"]
+        assert re.search(r"the ranks read different checkpoints at local\.ckpt \(step 5\): the SHA-256 of its "
+                         r"payload is [0-9a-f]{12} on rank 0, [0-9a-f]{12} on rank 1 -- each rank found its own file "
+                         r"\(a node-local disk\?\).*rank 0's file copied to every node", message or ""), message
+
+
 @pytest.mark.parametrize("impl", ("torch-mpi", "jax-hooked"))
 def test_load_right_after_a_rank_0_save_waits_for_its_file(two_jobs, impl):
     """`if rank == 0: save(...)` then `load(...)` on every rank, rank 0 slow to write: rank 1 used to

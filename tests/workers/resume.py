@@ -10,6 +10,7 @@ so the random state matters) and reports a SHA-256 of its final parameters' byte
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -238,6 +239,29 @@ def interrupted_save(path: Path) -> None:
     common.report(WORLD.rank, "interrupted", used=str(ck.path), step=ck.step)
 
 
+def node_local(path: Path) -> None:
+    """Each rank reads a file of its own at the same path and step (node-local disks holding other
+    saves; here each rank's own directory, the path relative to it): refused on every rank naming both
+    digests (an audit: the replicas resumed apart, silently)."""
+    case = make("torch-c10d", "float32")
+    node = OUT / f"node{WORLD.rank}"
+    node.mkdir(exist_ok=True)
+    payload = checkpoint.read(path)
+    payload["extra"] = {"written_on": WORLD.rank}  # (another file at the same step)
+    checkpoint.write(node / "local.ckpt", payload)
+    launch.allgather_object(None)
+    here = os.getcwd()
+    os.chdir(node)
+    try:
+        checkpoint.load("local.ckpt", case.ddp, optimizer=case.opt)
+        message = None
+    except checkpoint.CheckpointError as e:
+        message = str(e)
+    finally:
+        os.chdir(here)
+    common.report(WORLD.rank, "node_local", message=message)
+
+
 def rank0_only(impl: str) -> None:
     """Native DDP's idiom, `if rank == 0: save(...)`: no hang, the file is written; load on every rank
     restores the random state on rank 0 only."""
@@ -334,6 +358,7 @@ def main():
     if PHASE == "second":
         torn_files(OUT / "torch-c10d-float32.ckpt")
         interrupted_save(OUT / "torch-c10d-float32.ckpt")
+        node_local(OUT / "torch-c10d-float32.ckpt")
         for impl in ("torch-mpi", "jax-hooked"):
             rank0_only(impl)
             save_then_load(impl)
