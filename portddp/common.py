@@ -21,12 +21,16 @@ from portddp.protocol import check_rebuild_order, check_same_hook, ddp_number, s
 __all__ = ["DDPCommon", "GradBucketCommon", "hook_name", "hook_settings", "next_ddp_number"]
 
 _BUILT = itertools.count(1)  # the world-wide DistributedDataParallels this process built, both frameworks
+_BUILT_ON: dict[tuple[int, ...], itertools.count] = {}  # those on each process group (by its global ranks)
 
 
-def next_ddp_number() -> int:
-    """The number (protocol.ddp_number) of the world-wide DDP built now, in its step slots: ranks
-    that reduce different DDPs at one collective are named (see protocol.check_same_step)."""
-    return ddp_number(next(_BUILT))
+def next_ddp_number(group: tuple[int, ...] | None = None) -> int:
+    """The number (protocol.ddp_number) of the DDP built now, in its step slots: ranks that reduce
+    different DDPs at one collective are named (see protocol.check_same_step). World-wide DDPs are
+    counted together; those on a process group (`group`: its members' global ranks) per group, so
+    that its members, which build its DDPs in one order, number them alike."""
+    counter = _BUILT if group is None else _BUILT_ON.setdefault(group, itertools.count(1))
+    return ddp_number(next(counter))
 
 
 def hook_name(hook) -> str:

@@ -138,6 +138,8 @@ BAD = [
     ("replaced_after_wrap", ("c10d",), r"trainable parameters changed after DistributedDataParallel wrapped it: 2 then, 2 now \(added: none, gone: none, replaced by new Parameter objects: \['0\.weight', '0\.bias'\]\).*load into them \(assign=False"),
     ("crossed_ddps", TRANSPORTS, r"the ranks reduced different DistributedDataParallels here \(rank 0 its DistributedDataParallel #\d+, rank 1 its DistributedDataParallel #\d+, .*in the same order"),
     ("crossed_ddps_world_group", ("c10d",), r"the ranks reduced different DistributedDataParallels here \(rank 0 its DistributedDataParallel #\d+, rank 1 its DistributedDataParallel #\d+"),
+    # (on a group of its own -- a data-parallel group, here of every rank -- numbered per group: was not compared)
+    ("crossed_ddps_subgroup", ("c10d",), r"the ranks reduced different DistributedDataParallels here \(rank 0 its DistributedDataParallel #[12], rank 1 its DistributedDataParallel #[12]"),
     ("late_hook_in_join", TRANSPORTS, r"register_comm_hook inside `with ddp\.join\(\):` after training started is refused: a rank that has already joined cannot register it at the same step"),
     ("nonfinite", TRANSPORTS, r"non-finite gradients \(NaN or Inf\) found by check_finite -- rank 1: '0\.weight', '1\.weight' \(this is rank \d\)"),
     ("world_size", ("c10d",), r"portddp\.init\(world_size=\d\) but the launcher \(mpirun\) started \d process\(es\): launch with `mpirun -n"),

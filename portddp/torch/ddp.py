@@ -339,8 +339,8 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                               for i, p in enumerate(self._params)]
         self._hook_ids = [handle.id for handle in self._hook_handles]
-        # (in its step slots: which of the process's DDPs reduces; a subgroup's is not compared)
-        self._ddp_number = next_ddp_number() if process_group is None else 0
+        # (in its step slots: which of the process's DDPs on this group reduces)
+        self._ddp_number = next_ddp_number(None if process_group is None else _members(process_group))
 
     def __setattr__(self, name: str, value) -> None:
         # The per-iteration bookkeeping (flags, counters, bucket events) is set a few dozen times a
@@ -1233,6 +1233,11 @@ _MIXED_BACKWARD = (
     "synchronises, so the synchronising forward's gradients would stay local on every rank, silently (native "
     "DDP's ranks drift apart here). Run each forward's backward before the next forward, or both forwards inside "
     "no_sync() (accumulating) or both outside it")
+
+
+def _members(group) -> tuple[int, ...]:
+    """A c10d process group's members' global ranks."""
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def _dense_strides(t: torch.Tensor) -> tuple | None:

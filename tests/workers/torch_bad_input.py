@@ -157,8 +157,9 @@ def run(case: str, transport: str) -> None:
         ddp = DistributedDataParallel(model, transport=transport)
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
         ddp(torch.randn(2, 4))
-    elif case in ("crossed_ddps", "crossed_ddps_world_group"):  # backward passes in other orders (a GAN's)
-        group = {"process_group": torch.distributed.group.WORLD} if case.endswith("world_group") else {}
+    elif case in ("crossed_ddps", "crossed_ddps_world_group", "crossed_ddps_subgroup"):  # other orders (a GAN's)
+        group = {"process_group": torch.distributed.group.WORLD} if case.endswith("world_group") else {
+            "process_group": torch.distributed.new_group(list(range(w.size)))} if case.endswith("subgroup") else {}
         a, b = (DistributedDataParallel(nn.Linear(16, 4), transport=transport, **group) for _ in range(2))
         la, lb = a(torch.randn(4, 16)).sum(), b(torch.randn(4, 16)).sum()
         for loss in ((la, lb) if last else (lb, la)):
