@@ -111,7 +111,7 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
                     _refuse_other_names(what, items, ref, theirs, r)
                 raise ValueError(
                     f"{what}: {item} #{k} is {_show(a)} on rank 0 but {_show(b)} on rank {r}; every rank must "
-                    "build the same model before wrapping it"
+                    f"build the same model before wrapping it{_x64_hint(a, b)}"
                 )
         if len(ref) != len(theirs):
             _refuse_frozen_on_some_ranks(what, items, ref, theirs, r, known, guess=False)  # (the last ones, frozen)
@@ -121,6 +121,16 @@ def check_same_specs(everyone: Sequence[Sequence[tuple]], what: str, item: str, 
                 f"{r_long} has is {_name(longer[min(len(ref), len(theirs))][0])}. Every rank must build the same "
                 "model before wrapping it"
             )
+
+
+def _x64_hint(a, b) -> str:
+    """A hint where two specs differ only in a 64- against a 32-bit dtype of one kind (JAX's x64 flag)."""
+    pair = {str(a[2]), str(b[2])}
+    if tuple(a[:2]) == tuple(b[:2]) and pair in ({"float64", "float32"}, {"int64", "int32"},
+                                                 {"complex128", "complex64"}, {"uint64", "uint32"}):
+        return (" (64 bits on one rank, 32 on the other: JAX's jax_enable_x64 -- or JAX_ENABLE_X64 -- set on some "
+                "ranks only?)")
+    return ""
 
 
 def _refuse_other_names(what: str, items: str, ref, theirs, r: int) -> None:
@@ -152,15 +162,18 @@ def _refuse_frozen_on_some_ranks(what: str, items: str, ref, theirs, r: int, fro
     differ = (f"{what}: rank 0 and rank {r} wrap different {items}: {_names(only_ref)} only on rank 0, "
               f"{_names(only_theirs)} only on rank {r}")
     fix = "Every rank must build the same model and freeze the same parameters before wrapping it"
+    # (what else leaves a parameter out of a rank's plan, where the frozen sets do not tell: portddp.torch)
+    other = ("; delay_all_reduce_named_params and _set_params_and_buffers_to_ignore_for_model leave them out too, "
+             "and must name the same parameters on every rank")
     if frozen is not None:
         frozen_0, frozen_r = ({s[0] for s in f} for f in frozen)
         if not (set(only_ref) <= frozen_r and set(only_theirs) <= frozen_0):
             return
     elif not guess:
         raise ValueError(f"{differ} -- the other rank built its model without them, or set requires_grad=False on "
-                         f"them (which leaves them out of its plan). {fix}")
+                         f"them (which leaves them out of its plan){other}. {fix}")
     raise ValueError(f"{differ}; a parameter set to requires_grad=False on some ranks only is left out of their "
-                     f"plans. {fix}")
+                     f"plans{other if frozen is None else ''}. {fix}")
 
 
 def _names(names: list, most: int = 5) -> str:

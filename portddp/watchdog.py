@@ -830,7 +830,11 @@ def _summary(kind, value) -> str:
     inner exception's own line is the one that says what happened."""
     if issubclass(kind, KeyboardInterrupt):
         return "KeyboardInterrupt (SIGINT, Ctrl-C)"
-    lines = [line.strip() for line in str(value).splitlines() if line.strip()]
+    try:
+        text = str(value)
+    except Exception as e:  # noqa: BLE001 -- (an exception whose __str__ fails: still named, not taken for a death)
+        text = f"<str() of the exception failed: {type(e).__name__}>"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     first = lines[0] if lines else ""
     if "Traceback" in first or "CpuCallback error" in first:
         inner = [line for line in lines[1:] if ": " in line and line.split(":", 1)[0].replace(".", "").isidentifier()]
@@ -897,7 +901,10 @@ def mpich_segments_in(maps: str) -> set[str]:
 
 
 def _is_c10d_timeout(value) -> bool:
-    text = str(value)
+    try:
+        text = str(value)
+    except Exception:  # noqa: BLE001 -- (its __str__ fails: no timeout of c10d's)
+        return False
     return "Timed out" in text or "timed out" in text and ("gloo" in text.lower() or "c10d" in text.lower())
 
 

@@ -80,8 +80,25 @@ def test_spec_difference_names_the_entry_both_specs_and_rank():
 def test_spec_dtype_difference():
     theirs = [SPECS[0], SPECS[1], ("1.weight", (2, 4), "float64")]
     with pytest.raises(ValueError, match=r"#2 is '1\.weight' \(2, 4\) float32 on rank 0 but '1\.weight' \(2, 4\) "
-                                         r"float64 on rank 1"):
+                                         r"float64 on rank 1; every rank must build the same model before wrapping it "
+                                         r"\(64 bits on one rank, 32 on the other: JAX's jax_enable_x64"):
         check_same_specs([SPECS, theirs], "model mismatch across ranks", "parameter", "parameters")
+    theirs = [SPECS[0], SPECS[1], ("1.weight", (2, 4), "float16")]  # (no 64/32 pair: no hint)
+    with pytest.raises(ValueError, match=r"float16 on rank 1; every rank must build the same model before wrapping "
+                                         r"it$"):
+        check_same_specs([SPECS, theirs], "model mismatch across ranks", "parameter", "parameters")
+
+
+def test_an_exception_whose_str_fails_is_still_named_for_the_other_ranks():
+    """(An audit: the other ranks reported such a rank as gone, as if killed -- the report itself raised.)"""
+    from portddp.watchdog import _is_c10d_timeout, _summary  # noqa: PLC0415
+
+    class Weird(Exception):
+        def __str__(self):
+            raise ValueError("no text")
+
+    assert _summary(Weird, Weird()) == "Weird: <str() of the exception failed: ValueError>"
+    assert not _is_c10d_timeout(Weird())
 
 
 def test_jax_key_paths_are_shown_as_they_are():
