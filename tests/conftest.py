@@ -18,14 +18,22 @@ compile at XLA's default): the suite's models are tiny, so compiling is most of 
 JAX job's time (the JAX test files ran 193 s -> 150 s), and no test depends on how fast XLA's code
 runs -- what they compare is computed by programs compiled alike, within the tolerances they name.
 Outside the suite (the benchmark, the experiments, the demo) XLA's defaults hold; a level the caller set wins.
+
+A suite started in the background of a non-interactive shell (`bash .ci/run &`) inherits SIGINT ignored,
+and so would every job it starts: the Ctrl-C tests then saw nothing happen. Python's own handler is put
+back (the jobs, after exec, get the default action, and Python its handler again).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import signal
 
 import pytest
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _SEGMENTS = "/dev/shm/mpich_shm_*"
 
