@@ -80,6 +80,8 @@ CASES = {
     "jitted_local_steps_on_one_rank": r"OK same_plan=True max_rel_ok=True$",
     "differentiate_grad_fn": r"ValueError: portddp\.jax grad_fn \(strategy='hooked'\) cannot be differentiated "
                              r"\(a gradient of its gradients: MAML.*Put the inner derivative inside loss_fn",
+    "differentiate_grad_fn_compiled": r"ValueError: portddp\.jax grad_fn \(strategy='compiled'\) cannot be "
+                                      r"differentiated .*Put the inner derivative inside loss_fn",
     "pmap_under_mpirun": r"ValueError: strategy='pmap' maps over this process's devices only, but mpirun started 2 "
                          r"processes: each would .* train alone\. Use strategy='hooked' or 'compiled'",
     **{f"reduce_before_any_step_{kind}": STEPS.format(1, 0) + r".* Rank\(s\) 1 reduced before running any step "

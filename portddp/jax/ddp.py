@@ -719,6 +719,14 @@ class DistributedDataParallel(DDPCommon):
             joined = isinstance(batch, Joined)
             if joined and (self._uneven is None or self._uneven.count == self.world_size):
                 raise ValueError(_JOINED_OUTSIDE)
+            if traced and sync and self.strategy != "hooked" and \
+                    taps.transformation((params, state, batch)) == taps.DERIVATIVE:
+                raise ValueError(  # (an audit: it was refused with jit's words)
+                    f"portddp.jax grad_fn (strategy={self.strategy!r}) cannot be differentiated (a gradient of its "
+                    "gradients: MAML, a gradient penalty, jax.hessian): it runs its own program over every rank's "
+                    "device, outside your derivative. Put the inner derivative inside loss_fn with plain jax.grad "
+                    "(MAML's inner step, the penalty's gradient), so that grad_fn differentiates and averages only "
+                    "the outer loss")
             if traced and sync and self.strategy != "hooked":
                 raise ValueError(
                     f"strategy={self.strategy!r} runs its own program over every rank's device, which cannot be "

@@ -241,10 +241,16 @@ def traced(tree) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
+DERIVATIVE = "jax.grad (or jax.jvp, jax.hessian: a derivative of grad_fn)"
+
+
 def transformation(tree) -> str:
     """Which transformation traces `tree`, as named in error messages."""
-    if any(type(x).__name__ == "BatchTracer" for x in jax.tree_util.tree_leaves(tree)):
+    kinds = {type(x).__name__ for x in jax.tree_util.tree_leaves(tree)}
+    if "BatchTracer" in kinds:
         return "jax.vmap"
+    if kinds & {"JVPTracer", "LinearizeTracer"}:
+        return DERIVATIVE
     return "jax.jit (or lax.scan, nnx.jit: any trace)"
 
 

@@ -302,11 +302,12 @@ def pmap_under_mpirun():
     return "no error"
 
 
-def differentiate_grad_fn():
-    """MAML's outer gradient taken through a hooked grad_fn: refused in portddp's words (JAX said
-    "Buffer callbacks do not support JVP")."""
+def differentiate_grad_fn(strategy="hooked"):
+    """MAML's outer gradient taken through a grad_fn: refused in portddp's words (hooked: JAX said
+    "Buffer callbacks do not support JVP"; compiled: refused in jit's words, an audit found)."""
     params = init_params()
-    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB).value_and_grad(loss_fn)
+    grad_fn = DistributedDataParallel(params, bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB,
+                                      strategy=strategy).value_and_grad(loss_fn)
     outer = lambda p: loss_fn(jax.tree.map(lambda a, b: a - 0.1 * b, p, grad_fn(p, batch(0))[1]), batch(1))  # noqa: E731
     jax.grad(outer)(params)
     return "no error"
@@ -785,6 +786,7 @@ CASES = {
     "program_outlives_its_ddp": program_outlives_its_ddp,
     "pmap_under_mpirun": pmap_under_mpirun,
     "differentiate_grad_fn": differentiate_grad_fn,
+    "differentiate_grad_fn_compiled": lambda: differentiate_grad_fn("compiled"),
     "buffers_differ_compiled": buffers_differ_compiled,
     "buffers_on_one_rank_hooked": lambda: buffers_on_one_rank("hooked"),
     "buffers_on_one_rank_compiled": lambda: buffers_on_one_rank("compiled"),
