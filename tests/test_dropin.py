@@ -15,7 +15,7 @@ from tests import mpi
 
 SCENARIOS = [
     "native_signature", "double_after_wrap", "compile_after", "compile_before", "accumulation", "amp",
-    "join", "join_effective_world", "join_before_the_rebuild", "powersgd", "powersgd_rank2_no_warm_start", "fp16_wrapper", "native_fp16",
+    "join", "join_effective_world", "join_before_the_rebuild", "join_accumulating", "powersgd", "powersgd_rank2_no_warm_start", "fp16_wrapper", "native_fp16",
     "fp16_wrapper_powersgd", "nosync_unused", "nosync_unused_view", "join_unused",
     "buffers_b1_u0", "buffers_b1_u1", "buffers_b0_u0", "buffers_b0_u1", "buffers_two_forwards", "static_graph_checkpoint",
     "static_graph_ignored_output", "undefined_grad", "rewrap",

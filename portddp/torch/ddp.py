@@ -551,11 +551,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # Inside `with ddp.join()` only: "I still have inputs" (c10d). Before the rebuild, as native's: a
         # joined rank's Join loop meets this first, then shadows the rebuild (_shadow_iteration).
         Join.notify_join_context(self)
-        if grad_sync:
-            if self._tuner is not None and not self._tuner.done:
-                self._autotune(start)
-            if self._rebuild_order is not None:
-                self._rebuild()
+        if grad_sync and self._tuner is not None and not self._tuner.done:
+            self._autotune(start)
+        # The re-plan at the first forward with autograd on after the first synchronised iteration -- a
+        # no_sync() one too, as native's (a joined rank shadows it there: join() with accumulation hung)
+        if self._rebuild_order is not None and torch.is_grad_enabled():
+            self._rebuild()
         if self._will_sync_buffers():
             self._sync_buffers(grad_sync)
         if self._join_config.enable:

@@ -188,15 +188,19 @@ def join_before_the_rebuild(transport):
     at n=3), so before the plan rebuild the others make at their second step: its shadow meets their
     rebuild as native's joined rank does (portddp's hung -- c10d: the rebuild's broadcast crossed the
     join notice; MPI: the joined rank kept the old buckets). Bitwise as native."""
-    def train(ddp):
+    def train(ddp, accumulate):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         with ddp.join():
             for step in range((4, 0, 1)[dist.get_rank()]):
                 opt.zero_grad()
+                if accumulate:  # a no_sync() micro-batch first: the re-plan comes at its forward, as native's
+                    with ddp.no_sync():
+                        loss_of(ddp, step + 10, dist.get_rank()).backward()
                 loss_of(ddp, step, dist.get_rank()).backward()
                 opt.step()
-    native, ours = pair(transport, model_kw={"batchnorm": True}, ddp_kw={"bucket_cap_mb": CAP_MB})
-    compare("join_before_the_rebuild", transport, native, ours, train)
+    for name, accumulate in (("join_before_the_rebuild", False), ("join_accumulating", True)):
+        native, ours = pair(transport, model_kw={"batchnorm": True}, ddp_kw={"bucket_cap_mb": CAP_MB})
+        compare(name, transport, native, ours, lambda ddp: train(ddp, accumulate))
 
 
 def uneven_throw(transport):
