@@ -520,14 +520,11 @@ class Watchdog:
                     continue
                 if r not in self.socks:
                     continue
-                try:
-                    data = key.fileobj.recv(65536)
-                except BlockingIOError:
+                got = _received_lines(key.fileobj, self._pending[r])
+                if got is None:
                     continue
-                except OSError:
-                    data = b""
-                if data:
-                    *lines, self._pending[r] = (self._pending[r] + data).split(b"\n")
+                lines, self._pending[r], closed = got
+                if not closed:
                     for line in lines:
                         self._on_line(r, line)
                         if r not in self.socks:
@@ -758,17 +755,12 @@ class Watchdog:
                     return
                 for key, _ in ready:
                     s = key.fileobj
-                    try:
-                        data = s.recv(65536)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
                     r = waiting.get(s)
-                    if r is None:
+                    got = None if r is None else _received_lines(s, pending[r])
+                    if got is None:
                         continue
-                    *lines, pending[r] = (pending[r] + data).split(b"\n")
-                    if not data or any(line[:1] == _STOPPED for line in lines):
+                    lines, pending[r], closed = got
+                    if closed or any(line[:1] == _STOPPED for line in lines):
                         del waiting[s]
                         sel.unregister(s)
 
@@ -822,6 +814,19 @@ class Watchdog:
             pass
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2)
+
+
+def _received_lines(sock, pending: bytes) -> tuple[list[bytes], bytes, bool] | None:
+    """What a peer's socket holds now: (its whole lines, the part of a line still to come, whether the
+    connection closed -- a read error counts as closed), or None if there was nothing to read yet."""
+    try:
+        data = sock.recv(65536)
+    except BlockingIOError:
+        return None
+    except OSError:
+        data = b""
+    *lines, rest = (pending + data).split(b"\n")
+    return lines, rest, not data
 
 
 def _summary(kind, value) -> str:
