@@ -21,11 +21,13 @@ import dataclasses
 import datetime
 import ipaddress
 import os
-import time
+import random
 import re
 import socket
 import stat
 import sys
+import time
+from pathlib import Path
 
 from portddp.watchdog import env_seconds
 
@@ -256,9 +258,33 @@ def _until_listening(addr: str, port: int, within_s: float = 5.0) -> None:
 
 
 def _free_port() -> int:
+    """A TCP port nothing is bound to here now, for a server another call starts later (c10d's store,
+    JAX's coordinator), from outside the kernel's ephemeral range where it leaves room. A port the
+    kernel hands out itself (a bind to port 0) lies inside that range, where until the server listens
+    any other process's bind to port 0 or outgoing connection may be given it too -- the server then
+    fails to start, or a peer connects to a stranger's socket and waits for ever (start-up hangs of
+    a job beside others, a few in a thousand, never reproduced alone). Outside the range only a
+    process naming the same port can meet it."""
+    lo, hi = _ephemeral_range()
+    pool = (15000, lo - 1) if lo - 15000 >= 2000 else (hi + 1, 65535) if 65535 - hi >= 2000 else None
+    if pool is not None:
+        pick = random.SystemRandom()  # (not the script's seeded `random`: every job would pick alike)
+        for _ in range(64):
+            port = pick.randint(*pool)
+            if _port_taken(port) is None:
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel picks from for a bind to port 0 and for outgoing connections."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # (Linux's default; the pool below it is outside macOS's 49152-65535 too)
+    return lo, hi
 
 
 def rendezvous_address(w: World, purpose: str = "c10d") -> tuple[str, int]:

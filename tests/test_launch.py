@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from portddp.launch import World, detect
+from portddp.launch import World, _ephemeral_range, detect
 from tests import mpi
 
 
@@ -75,16 +75,19 @@ def test_mpirun_world_and_rendezvous():
     code = ("import os, torch, portddp, torch.distributed as d; from portddp import launch; w = portddp.init(); "
             "peer = launch._WATCHDOG.socks[1 - w.rank].getpeername()[0]; launch.allgather_object(None); "
             "os.write(1, f'WORLD {w.rank} {w.size} {w.launcher} {d.get_rank()} {d.get_world_size()} "
-            "{torch.get_num_threads()} {os.environ[\"MASTER_ADDR\"]} {peer}\\n'.encode())")
+            "{torch.get_num_threads()} {os.environ[\"MASTER_ADDR\"]} {peer} {os.environ[\"MASTER_PORT\"]}\\n'.encode())")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120, env=env)
-    records = sorted(re.findall(r"WORLD (\d+) (\d+) (\w+) (\d+) (\d+) (\d+) (\S+) (\S+)", proc.stdout))
+    records = sorted(re.findall(r"WORLD (\d+) (\d+) (\w+) (\d+) (\d+) (\d+) (\S+) (\S+) (\d+)", proc.stdout))
     assert len(records) == 2, proc.stdout + proc.stderr
-    for r, (rank, size, launcher, c10d_rank, c10d_size, threads, master, peer) in enumerate(records):
+    lo, hi = _ephemeral_range()
+    for r, (rank, size, launcher, c10d_rank, c10d_size, threads, master, peer, port) in enumerate(records):
         assert (int(rank), int(size), launcher, int(c10d_rank), int(c10d_size)) == (r, 2, "mpirun", r, 2)
         assert int(threads) >= 1
         assert master == "127.0.0.1" and peer == "127.0.0.1", (master, peer)
+        # portddp's choice of port: outside the range the kernel hands out to other processes (_free_port)
+        assert port == records[0][-1] and not lo <= int(port) <= hi, (port, lo, hi)
 
 
 def test_init_gives_xla_one_compute_thread_per_rank_share():
