@@ -28,7 +28,7 @@ import numpy as np
 
 from portddp import env
 from portddp.launch import allgather_pickled, test_then_sleep
-from portddp.shm import arena_mb, is_half, scatter_into, scratch_mb
+from portddp.shm import arena_mb, half_add, is_half, scatter_into, scratch_mb
 
 __all__ = ["Handle", "MPITransport", "get_transport"]
 
@@ -46,9 +46,8 @@ def _half_sum_op(np_dtype):
     if key not in _half_ops:
 
         def add(inbuf, inoutbuf, datatype):
-            a = np.frombuffer(inbuf, dtype=np_dtype)
             b = np.frombuffer(inoutbuf, dtype=np_dtype)
-            b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(np_dtype)
+            half_add(np.frombuffer(inbuf, dtype=np_dtype), b, b)
 
         _half_ops[key] = MPI.Op.Create(add, commute=True)
     return _half_ops[key]

@@ -36,9 +36,10 @@ def _check(proc, n: int, impl: str, hosts: int = 1) -> None:
         assert name in names, sorted(names)[:50]
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_shm_allreduce_matches_mpi(n):
-    proc = mpi.run(n, "tests.workers.shm_allreduce", timeout=240, env={"PORTDDP_MPI_ALLREDUCE": "shm"})
+@pytest.mark.parametrize("n, torch_loaded", [(2, False), (2, True), (3, False)])
+def test_shm_allreduce_matches_mpi(n, torch_loaded):
+    env = {"PORTDDP_MPI_ALLREDUCE": "shm", **({"SHM_TEST_TORCH": "1"} if torch_loaded else {})}
+    proc = mpi.run(n, "tests.workers.shm_allreduce", timeout=240, env=env)
     _check(proc, n, "shm")
     if n == 3:
         assert "arena-free" in proc.stdout and "chunked-zero-copy" in proc.stdout
@@ -146,3 +147,29 @@ def test_the_sum_takes_inf_and_nan_silently_as_torch_and_mpi_do():
             shm._reduce_into([parts[me]], parts, me)
         got = parts[me]
         assert np.isnan(got[0]) and np.isnan(got[1]) and np.isinf(got[2]), got
+
+
+def test_half_sums_are_the_same_through_torch_and_numpy(monkeypatch):
+    """shm.half_add sums float16 with torch where torch is loaded (60 x faster than numpy's
+    element-by-element conversions), numpy elsewhere (a JAX rank): the same values, every pair of
+    16-bit patterns' worth of them -- subnormals, the largest values, infinities, NaNs (whose payload
+    may differ) -- so that a mixed torch + JAX job sums alike on every rank."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from portddp.shm import half_add  # noqa: PLC0415
+
+    rng = np.random.default_rng(7)
+    every = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16)
+    a = np.concatenate([every, rng.integers(0, 2 ** 16, 2_000_000, dtype=np.uint32).astype(np.uint16)])
+    b = np.concatenate([rng.permutation(every), rng.integers(0, 2 ** 16, a.size - every.size,
+                                                             dtype=np.uint32).astype(np.uint16)])
+    a, b = a.view(np.float16), b.view(np.float16)
+    through_torch, through_numpy = np.empty_like(a), np.empty_like(a)
+    with np.errstate(all="ignore"):
+        half_add(a, b, through_torch)
+        monkeypatch.delitem(sys.modules, "torch")
+        half_add(a, b, through_numpy)  # (monkeypatch puts torch back)
+    nan = np.isnan(through_numpy)
+    assert np.array_equal(nan, np.isnan(through_torch))
+    assert np.array_equal(through_torch.view(np.uint16)[~nan], through_numpy.view(np.uint16)[~nan])

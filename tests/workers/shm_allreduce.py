@@ -12,6 +12,9 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
+if os.environ.get("SHM_TEST_TORCH"):  # a portddp.torch rank: float16 sums go through torch (shm.half_add)
+    import torch  # noqa: F401
+
 from portddp.transport import MPITransport, _half_sum_op
 
 SIZES = (1, 2, 7, 17, 1000, 4097, 300_001)
