@@ -424,7 +424,10 @@ class JaxTrainer(_Trainer):
     def stats(self) -> dict:
         if self.ddp is None:
             return {}
-        return {k: v for k, v in self.ddp.stats().items() if isinstance(v, (float, int, dict)) or k == "events"}
+        out = {k: v for k, v in self.ddp.stats().items() if isinstance(v, (float, int, dict)) or k == "events"}
+        if self.ddp.strategy == "compiled":  # (its one span, so that a row keeps its median step's, not the last)
+            out["events"] = self.events()
+        return out
 
     def autotune(self) -> dict | None:
         return self.ddp.stats().get("autotune") if self.ddp is not None else None
