@@ -128,6 +128,7 @@ def _run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCo
         say(f"  [{g}/{len(groups)}] {group}: {_workload(cfg, members[0]).describe()}; building "
             f"and warming up {len(members)} variant(s)", flush=True)
         trainers, peak_mb = {}, {}
+        beat = _heartbeat(say)
         with frozen_heap():
             for v in members:
                 # Built and warmed up one at a time, so that each one's peak resident memory is its own.
@@ -136,6 +137,7 @@ def _run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCo
                 for _ in range(cfg.warmup if v.warmup is None else v.warmup):
                     t.step()
                 peak_mb[v.label] = memory.peak_mb()
+                beat(f"{v.label} built and warmed up")
         times = {label: [] for label in trainers}
         stats = {label: [] for label in trainers}
         cpu = {label: CpuMeter() for label in trainers}
@@ -146,12 +148,9 @@ def _run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCo
                 for _label, t in order:
                     for _ in range(cfg.steps_per_round):
                         t.step()
-            n_rounds, started, told = max(v.rounds or cfg.rounds for v in members), time.perf_counter(), 0.0
+            n_rounds = max(v.rounds or cfg.rounds for v in members)
             for r in range(n_rounds):
-                now = time.perf_counter() - started
-                if now - told > 20:  # (long runs only: a line at most every 20 s)
-                    say(f"      round {r + 1}/{n_rounds} ({now:.0f} s so far)", flush=True)
-                    told = now
+                beat(f"round {r + 1}/{n_rounds}")
                 for label, t in rotated(order, r):
                     with no_collection():
                         # (every turn starts together: else a communicating variant's first step would
@@ -288,6 +287,21 @@ def _gather_events(members, trainers) -> list:
     mine = {v.label: e.to_dict() for v in members if (e := trainers[v.label].events()) is not None}
     everyone = get_transport().allgather_object(mine)
     return [(label, [IterationEvents.from_dict(ranks[label]) for ranks in everyone]) for label in mine]
+
+
+def _heartbeat(say, every_s: float = 20.0):
+    """`beat(what)` prints `what` with the group's time so far, at most every `every_s` seconds: long
+    groups only (a gpt group under load spent minutes building and warming up without a line)."""
+    started = told = time.perf_counter()
+
+    def beat(what: str) -> None:
+        nonlocal told
+        now = time.perf_counter()
+        if now - told >= every_s:
+            say(f"      {what} ({now - started:.0f} s so far)", flush=True)
+            told = now
+
+    return beat
 
 
 def _median_events(times: list[float], samples: list[dict]):

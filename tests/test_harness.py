@@ -244,3 +244,20 @@ def test_the_mixed_job_refuses_a_single_rank():
 
     with pytest.raises(SystemExit, match="the mixed job needs 2 or more ranks"):
         mixed.main(["--steps", "1"])
+
+
+def test_long_groups_say_where_they_are_while_building_warming_up_and_timing():
+    """A line at most every 20 s, from the group's start: building and warming up included (a review:
+    the demo's gpt group said nothing for 4-5 minutes after 'building and warming up')."""
+    from harness.runner import _heartbeat  # noqa: PLC0415
+
+    said = []
+    beat = _heartbeat(lambda line, flush: said.append(line), every_s=0.0)
+    beat("torch-c10d built and warmed up")
+    beat("round 1/3")
+    assert [line.split(" (")[0].strip() for line in said] == ["torch-c10d built and warmed up", "round 1/3"]
+    assert all(line.endswith("s so far)") for line in said)
+    quiet = []
+    beat = _heartbeat(lambda line, flush: quiet.append(line))
+    beat("round 1/3")
+    assert quiet == []  # (a short group: no line)
