@@ -474,7 +474,8 @@ def _calibration_text(payload: dict) -> str:
     return (f"\n\nLink rate matched by a calibration run (torch-c10d on an unshaped link): backward compute "
             f"{cal['backward_compute_s'] * 1e3:.0f} ms, {cal['wire_bytes_per_step'] / 1e6:.1f} MB per host per step, "
             f"so {cal['rate_mbit']} Mbit/s (wire time {wire_s * 1e3:.0f} ms)"
-            + (f"; in this run torch-c10d's backward took {here * 1e3:.0f} ms, so the wire time is "
+            + (f"; in this run torch-c10d's backward with overlap off (nothing on the wire meanwhile, as in the "
+               f"calibration) took {here * 1e3:.0f} ms, so the wire time is "
                f"{wire_s / here:.2f} x the backward here." if here else ".")
             + " Where these differ much the machine was busier in one run than in the other.")
 

@@ -229,6 +229,25 @@ def test_main_says_a_loopback_trace_describes_this_machine(result, tmp_path, cap
     assert "(2 ranks, link loopback)" in out and "ran on one emulated host, whose ranks all-reduced in its shared" in err
 
 
+def test_main_warns_where_the_model_misses_its_own_measured_point_with_or_without_overlap(result, tmp_path, capsys):
+    """A trace whose replay lands more than 10 % from its own measured step is warned of, --no-overlap
+    included (a README walkthrough: `replayed ... (-14.2 %)` and no warning with --no-overlap)."""
+    import json  # noqa: PLC0415
+
+    from portddp.simulate import main  # noqa: PLC0415
+
+    payload = json.loads(open(result).read())
+    row = next(r for r in payload["rows"] if r["label"] == "torch-c10d")
+    row["median_s"] *= 1.5  # (the step measured with overlap, as a busy machine could have made it)
+    path = tmp_path / "overlap-n2.json"
+    path.write_text(json.dumps(payload))
+    for extra in ([], ["--no-overlap"]):
+        assert main([str(path), *extra]) == 0
+        assert "warning: replayed at its own point" in capsys.readouterr().err, extra
+    assert main([result, "--no-overlap"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_fit_link_of_one_bucket_size_takes_the_time_beyond_the_wire_as_fixed_whatever_the_rounding():
     """(A review: on an iteration of equal buckets alpha and h fit alike, and rounding picked one -- adding 0-7
     bytes to 4 MiB buckets turned a 64-rank prediction from 3561 into 1852 ms.)"""
