@@ -32,16 +32,18 @@ def allreduce_hook(state, bucket) -> Handle:
 
 def _compress_hook(bucket, dtype) -> Handle:
     buffer = bucket.buffer()
-    torch = _torch_for_float16(buffer) if dtype == np.float16 else None
+    torch = _torch_for_half(buffer)
     # Cast, then divide before the sum: a sum of undivided float16 gradients overflows first.
     if torch is not None:
-        compressed = torch.from_numpy(buffer).to(torch.float16).div_(bucket.world_size).numpy()
+        kind = torch.float16 if dtype == np.float16 else torch.bfloat16
+        half = torch.from_numpy(buffer).to(kind).div_(bucket.world_size)
+        compressed = half.view(torch.int16).numpy().view(dtype)  # (numpy has no bfloat16: its bits)
     else:
         compressed = buffer.astype(dtype) / dtype(bucket.world_size)
 
     def decompress(handle):
         if torch is not None and handle.result.flags.writeable:
-            torch.from_numpy(buffer).copy_(torch.from_numpy(handle.result))
+            torch.from_numpy(buffer).copy_(torch.from_numpy(handle.result.view(np.int16)).view(kind))
         else:
             buffer[...] = handle.result
         return buffer
@@ -49,13 +51,13 @@ def _compress_hook(bucket, dtype) -> Handle:
     return bucket.allreduce(compressed).then(decompress)
 
 
-def _torch_for_float16(buffer: np.ndarray):
-    """torch, to cast a float32 bucket to float16 and back and to divide it (and, once loaded, to sum it:
-    portddp.shm.half_add): numpy converts float16 one element at a time -- cast, divide, sum and cast
-    back ~13 ns an element here, ~1 in torch's vectorised loops, the same values but for NaN payloads
-    (a gpt step's fp16 hook took 10 x bf16's). portddp depends on torch; a JAX rank loads it only
-    here, as for PowerSGD. A float64 bucket stays with numpy, which rounds it to float16 once (torch
-    goes through float32)."""
+def _torch_for_half(buffer: np.ndarray):
+    """torch, to cast a float32 bucket to float16 or bfloat16 and back and to divide it (and, once
+    loaded, to sum it: portddp.shm.half_add): numpy converts float16 one element at a time -- cast,
+    divide, sum and cast back ~13 ns an element here, ~1 in torch's vectorised loops (bfloat16 through
+    ml_dtypes ~4), the same values but for NaN payloads (a gpt step's fp16 hook took 10 x bf16's).
+    portddp depends on torch; a JAX rank loads it only here, as for PowerSGD. A float64 bucket stays
+    with numpy, which rounds it to 16 bits once (torch goes through float32)."""
     if buffer.dtype != np.float32:
         return None
     import torch  # noqa: PLC0415
