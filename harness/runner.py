@@ -134,10 +134,12 @@ def _run(name: str, cfg: ExperimentConfig, make_variants: Callable[[ExperimentCo
                 # Built and warmed up one at a time, so that each one's peak resident memory is its own.
                 memory.start()
                 trainers[v.label] = t = make_trainer(v.impl, _workload(cfg, v), world, **v.knobs)
-                for _ in range(cfg.warmup if v.warmup is None else v.warmup):
+                beat(f"{v.label} built")
+                warmup = cfg.warmup if v.warmup is None else v.warmup
+                for k in range(warmup):
                     t.step()
+                    beat(f"{v.label}: warm-up step {k + 1}/{warmup}")
                 peak_mb[v.label] = memory.peak_mb()
-                beat(f"{v.label} built and warmed up")
         times = {label: [] for label in trainers}
         stats = {label: [] for label in trainers}
         cpu = {label: CpuMeter() for label in trainers}

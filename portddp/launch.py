@@ -227,6 +227,8 @@ def _reachable_address() -> str | None:
 
 def _port_taken(port: int) -> str | None:
     """Why `port` cannot be listened on here (None: it can)."""
+    if not 0 < port < 65536:  # (MASTER_PORT=65535 + 1 for the JAX coordinator: bind() would raise)
+        return "there is no such TCP port"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("", port))
@@ -265,8 +267,7 @@ def _free_port() -> int:
     fails to start, or a peer connects to a stranger's socket and waits for ever (start-up hangs of
     a job beside others, a few in a thousand, never reproduced alone). Outside the range only a
     process naming the same port can meet it."""
-    lo, hi = _ephemeral_range()
-    pool = (15000, lo - 1) if lo - 15000 >= 2000 else (hi + 1, 65535) if 65535 - hi >= 2000 else None
+    pool = _port_pool()
     if pool is not None:
         pick = random.SystemRandom()  # (not the script's seeded `random`: every job would pick alike)
         for _ in range(64):
@@ -276,6 +277,16 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _port_pool() -> tuple[int, int] | None:
+    """Where _free_port picks from: below the ephemeral range, under 30000 (Kubernetes' NodePorts
+    start there; on a node's host network they are redirected with no socket listening), or above
+    it; None where neither leaves 2000 ports. Its top is one below the last: the JAX coordinator
+    takes MASTER_PORT + 1 (in a process the rank starts, which does not know portddp chose it)."""
+    lo, hi = _ephemeral_range()
+    below, above = (15000, min(lo - 2, 29999)), (hi + 1, 65534)
+    return next((p for p in (below, above) if p[1] - p[0] >= 2000), None)
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -59,7 +59,7 @@ import numpy as np
 
 from portddp import env
 
-__all__ = ["ShmAllreduce", "is_half", "node_comm", "scatter_into"]
+__all__ = ["ShmAllreduce", "half_add", "is_half", "loaded_torch", "node_comm", "scatter_into", "TORCH_SERIAL"]
 
 _ALIGN = 64  # bytes: slices and allocations start on a cache line
 _HEADER = 4096  # per-rank header: counter (int32, the futex word) + descriptor
@@ -493,18 +493,37 @@ def scatter_into(dests: list[tuple[int, np.ndarray]], start: int, src: np.ndarra
             dest[lo - off:hi - off] = src[lo - start:hi - start]
 
 
+TORCH_SERIAL = 32767
+"""Elements per torch call on a thread of portddp's own: below torch's grain size (32768) an op runs on
+the calling thread alone. A larger one starts an OpenMP team of that thread's own (as many threads as
+cores, not the rank's share), which would compete with the rank's compute for its cores."""
+
+
+def loaded_torch():
+    """torch if this process has imported it whole, else None: a module still being imported (by
+    another thread: portddp.jax's hooks import it on first use) is in sys.modules already, and an op
+    on it crashed the process (a review, 2026-12-07)."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(getattr(torch, "__spec__", None), "_initializing", True):
+        return None
+    return torch
+
+
 def half_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """out = a + b for 16-bit floats, computed in float32 and rounded back, as Gloo and NCCL sum
-    half types (the shared-memory sum and portddp.transport's MPI op alike). numpy converts float16
-    one element at a time (4M elements: 35 ms here, against 0.6 ms in torch's vectorised loop;
-    bfloat16 through ml_dtypes 8 ms against 1): in a process that has loaded torch (a portddp.torch
-    rank, a JAX rank with a float16 hook) torch sums them, with the same float32 sum and rounding --
-    equal bit for bit but for the payload of a NaN. Otherwise numpy; a JAX rank loads no torch for it."""
-    torch = sys.modules.get("torch") if a.flags.writeable and b.flags.writeable else None
-    if torch is not None and hasattr(torch, "from_numpy"):  # (a module half-imported is no torch yet;
-        # torch.from_numpy warns of a read-only array: those go numpy's way)
+    """out = a + b for 16-bit floats (of one dtype; `out` is an input or overlaps neither), computed
+    in float32 and rounded back, as Gloo and NCCL sum half types (the shared-memory sum and
+    portddp.transport's MPI op alike). numpy converts float16 one element at a time (4M elements: 35
+    ms here, against ~1 ms in torch's vectorised loop, TORCH_SERIAL elements a call; bfloat16 through
+    ml_dtypes 8 ms): in a process that has loaded torch (a portddp.torch rank, a JAX rank with a half
+    hook) torch sums them, with the same float32 sum and rounding -- equal bit for bit but for the
+    payload of a NaN. Otherwise numpy; a JAX rank loads no torch for it."""
+    torch = loaded_torch()
+    if torch is not None and all(x.flags.c_contiguous and x.flags.writeable and x.dtype.isnative
+                                 for x in (a, b, out)):  # (torch.from_numpy's terms)
         kind = torch.float16 if a.dtype == np.float16 else torch.bfloat16
-        torch.add(*(torch.from_numpy(x.view(np.uint16)).view(kind) for x in (a, b)),
-                  out=torch.from_numpy(out.view(np.uint16)).view(kind))
+        x, y, z = (torch.from_numpy(v.reshape(-1).view(np.uint16)).view(kind) for v in (a, b, out))
+        for i in range(0, z.numel(), TORCH_SERIAL):
+            j = i + TORCH_SERIAL
+            torch.add(x[i:j], y[i:j], out=z[i:j])
     else:
         np.copyto(out, (a.astype(np.float32) + b.astype(np.float32)).astype(out.dtype))

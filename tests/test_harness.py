@@ -253,9 +253,11 @@ def test_long_groups_say_where_they_are_while_building_warming_up_and_timing():
 
     said = []
     beat = _heartbeat(lambda line, flush: said.append(line), every_s=0.0)
-    beat("torch-c10d built and warmed up")
+    beat("torch-c10d built")
+    beat("torch-c10d: warm-up step 1/2")
     beat("round 1/3")
-    assert [line.split(" (")[0].strip() for line in said] == ["torch-c10d built and warmed up", "round 1/3"]
+    assert [line.split(" (")[0].strip() for line in said] == ["torch-c10d built", "torch-c10d: warm-up step 1/2",
+                                                            "round 1/3"]
     assert all(line.endswith("s so far)") for line in said)
     quiet = []
     beat = _heartbeat(lambda line, flush: quiet.append(line))

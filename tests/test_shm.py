@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -175,3 +176,43 @@ def test_half_sums_are_the_same_through_torch_and_numpy(monkeypatch):
         nan = np.isnan(through_numpy.astype(np.float32))
         assert np.array_equal(nan, np.isnan(through_torch.astype(np.float32))), dtype
         assert np.array_equal(through_torch.view(np.uint16)[~nan], through_numpy.view(np.uint16)[~nan]), dtype
+
+
+def test_half_sums_beside_an_import_of_torch_and_on_a_thread_of_their_own():
+    """A thread summing halves while another imports torch (portddp.jax's hooks import it on first use,
+    with earlier buckets' sums under way on the comm thread): numpy's way until torch is whole -- an op
+    on torch half-imported crashed the process, 6 runs in 6 (a review). And torch's way on such a thread
+    starts no OpenMP team of its own (as many threads as cores, beside the rank's compute): TORCH_SERIAL
+    elements a call."""
+    code = """
+import os, sys, threading, time
+import numpy as np
+from portddp.shm import half_add
+x = np.random.default_rng(0).standard_normal(1 << 19).astype(np.float16)
+want = (x.astype(np.float32) * 2).astype(np.float16)
+out, wrong, stop = np.empty_like(x), [], []
+def sums():
+    while not stop:
+        half_add(x, x, out)
+        if not np.array_equal(out.view(np.uint16), want.view(np.uint16)):
+            wrong.append(1)
+summing = threading.Thread(target=sums)
+summing.start()
+time.sleep(0.05)
+import torch
+torch.set_num_threads(2)
+time.sleep(0.2)
+stop.append(1)
+summing.join()
+before, grew = set(os.listdir("/proc/self/task")), []
+def more():
+    for _ in range(20):
+        half_add(x, x, out)
+    grew.append(len(set(os.listdir("/proc/self/task")) - before) - 1)
+t = threading.Thread(target=more)
+t.start()
+t.join()
+print("WRONG", len(wrong), "GREW", grew[0], flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=mpi.ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "WRONG 0 GREW 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]

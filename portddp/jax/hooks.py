@@ -17,6 +17,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from portddp.shm import TORCH_SERIAL
 from portddp.transport import Handle
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "noop_hook", "PowerSGDState",
@@ -33,19 +34,28 @@ def allreduce_hook(state, bucket) -> Handle:
 def _compress_hook(bucket, dtype) -> Handle:
     buffer = bucket.buffer()
     torch = _torch_for_half(buffer)
-    # Cast, then divide before the sum: a sum of undivided float16 gradients overflows first.
+    # Cast, then divide (by the world size itself, as PyTorch's hook) before the sum: a sum of
+    # undivided float16 gradients overflows first.
     if torch is not None:
         kind = torch.float16 if dtype == np.float16 else torch.bfloat16
-        half = torch.from_numpy(buffer).to(kind).div_(bucket.world_size)
-        compressed = half.view(torch.int16).numpy().view(dtype)  # (numpy has no bfloat16: its bits)
+        bits = np.empty(buffer.size, np.int16)  # (numpy has no bfloat16: torch writes its bits)
+        src, dst = torch.from_numpy(buffer.reshape(-1)), torch.from_numpy(bits).view(kind)
+        for i in range(0, buffer.size, TORCH_SERIAL):  # (no OpenMP team on this callback thread)
+            part = dst[i:i + TORCH_SERIAL]
+            part.copy_(src[i:i + TORCH_SERIAL])
+            part.div_(bucket.world_size)
+        compressed = bits.view(dtype).reshape(buffer.shape)
     else:
-        compressed = buffer.astype(dtype) / dtype(bucket.world_size)
+        compressed = (buffer.astype(dtype).astype(np.float32) / np.float32(bucket.world_size)).astype(dtype)
 
     def decompress(handle):
-        if torch is not None and handle.result.flags.writeable:
-            torch.from_numpy(buffer).copy_(torch.from_numpy(handle.result.view(np.int16)).view(kind))
+        result = handle.result
+        if torch is not None and result.flags.writeable and result.flags.c_contiguous:
+            src, dst = torch.from_numpy(result.reshape(-1).view(np.int16)).view(kind), torch.from_numpy(buffer.reshape(-1))
+            for i in range(0, buffer.size, TORCH_SERIAL):
+                dst[i:i + TORCH_SERIAL].copy_(src[i:i + TORCH_SERIAL])
         else:
-            buffer[...] = handle.result
+            buffer[...] = result
         return buffer
 
     return bucket.allreduce(compressed).then(decompress)
@@ -58,7 +68,7 @@ def _torch_for_half(buffer: np.ndarray):
     ml_dtypes ~4), the same values but for NaN payloads (a gpt step's fp16 hook took 10 x bf16's).
     portddp depends on torch; a JAX rank loads it only here, as for PowerSGD. A float64 bucket stays
     with numpy, which rounds it to 16 bits once (torch goes through float32)."""
-    if buffer.dtype != np.float32:
+    if buffer.dtype != np.float32 or not buffer.flags.c_contiguous:
         return None
     import torch  # noqa: PLC0415
 
