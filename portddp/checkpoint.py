@@ -16,9 +16,9 @@
     # Flax NNX with per-rank dropout: the model's random streams, each rank's own; its other
     # state (BatchNorm statistics, counters) as extra
     buffers = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
-    checkpoint.save("run/ckpt", ddp, step=step, params=nnx.state(model, nnx.Param).to_pure_dict(),
-                    opt_state=nnx.state(opt).to_pure_dict(), extra=nnx.state(model, buffers).to_pure_dict(),
-                    per_rank=nnx.state(model, nnx.RngState).to_pure_dict(), collective=True)
+    checkpoint.save("run/ckpt", ddp, step=step, params=nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                    opt_state=nnx.to_pure_dict(nnx.state(opt)), extra=nnx.to_pure_dict(nnx.state(model, buffers)),
+                    per_rank=nnx.to_pure_dict(nnx.state(model, nnx.RngState)), collective=True)
     ck = checkpoint.load("run/ckpt", ddp)   # then nnx.replace_by_pure_dict + nnx.update with
                                             # ck.params, ck.opt_state, ck.extra and ck.per_rank
 
@@ -154,7 +154,7 @@ def encode(tree, arrays: dict, where: str = "") -> object:
     raise TypeError(f"a checkpoint cannot hold the {type(tree).__module__}.{type(tree).__qualname__} at "
                     f"{where or 'the top'}: it stores arrays and tensors, numbers, strings, None, and dicts, lists, "
                     "tuples and NamedTuples of them, without pickle (convert it first, e.g. a Flax nnx.State with "
-                    ".to_pure_dict())")
+                    "nnx.to_pure_dict(state))")
 
 
 def _array(a: np.ndarray, dt: str | None, kind: str, arrays: dict, where: str) -> dict:
@@ -197,7 +197,7 @@ def decode(value, arrays) -> object:
         import torch  # noqa: PLC0415
 
         return torch.sparse_coo_tensor(decode(value["i"], arrays), decode(value["v"], arrays), value["$coo"],
-                                       is_coalesced=value["c"])
+                                       is_coalesced=value["c"], check_invariants=True)  # (indices from a file)
     raise CheckpointError(f"unknown entry in the checkpoint's structure: {sorted(value)}")
 
 
@@ -410,7 +410,7 @@ def save(path, ddp, *, step: int, optimizer=None, params=None, opt_state=None, e
     `extra`: anything of the same kinds (numbers, strings, arrays, ...), rank 0's.
     `per_rank` (collective=True only): the same kinds, each rank's own -- gathered, and given back
     to each rank by load as `Checkpoint.per_rank`: a Flax NNX model's random streams
-    (`nnx.state(model, nnx.RngState).to_pure_dict()`, per-rank dropout), a data loader's position.
+    (`nnx.to_pure_dict(nnx.state(model, nnx.RngState))`, per-rank dropout), a data loader's position.
 
     collective=False (default): no communication -- call it on rank 0 only (`if rank == 0:`, as
     with native DDP) or on every rank (the others do nothing). The file holds rank 0's random

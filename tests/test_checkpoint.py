@@ -154,7 +154,7 @@ def test_jax_prng_keys_and_a_flax_nnx_models_random_streams_round_trip_exactly()
             self.drop = nnx.Dropout(0.5, rngs=rngs)
 
     keys = {"fry": jax.random.key(3), "rbg": jax.random.split(jax.random.key(4, impl="rbg"), 3),
-            "rngs": nnx.state(Net(nnx.Rngs(params=0, dropout=7)), nnx.RngState).to_pure_dict()}
+            "rngs": nnx.to_pure_dict(nnx.state(Net(nnx.Rngs(params=0, dropout=7)), nnx.RngState))}
     back = roundtrip(keys)
     flat, flat_back = jax.tree.leaves(keys), jax.tree.leaves(back)
     assert jax.tree.structure(keys) == jax.tree.structure(back) and len(flat) == 4

@@ -170,10 +170,10 @@ class NnxCase:
 
     def save(self, path, step, collective=True):
         nnx = self.nnx
-        checkpoint.save(path, self.ddp, step=step, params=nnx.state(self.model, nnx.Param).to_pure_dict(),
-                        opt_state=nnx.state(self.opt).to_pure_dict(), collective=collective,
-                        extra=nnx.state(self.model, BUFFERS()).to_pure_dict(),
-                        per_rank=nnx.state(self.model, nnx.RngState).to_pure_dict() if collective else None)
+        checkpoint.save(path, self.ddp, step=step, params=nnx.to_pure_dict(nnx.state(self.model, nnx.Param)),
+                        opt_state=nnx.to_pure_dict(nnx.state(self.opt)), collective=collective,
+                        extra=nnx.to_pure_dict(nnx.state(self.model, BUFFERS())),
+                        per_rank=nnx.to_pure_dict(nnx.state(self.model, nnx.RngState)) if collective else None)
 
     def load(self, path):
         nnx = self.nnx
