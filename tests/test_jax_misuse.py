@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import glob
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -178,3 +180,31 @@ def test_hooked_grad_fn_under_shard_map_or_pmap_over_several_devices_is_refused_
         assert re.search(r"ValueError: batch leaf \(the batch\) is split over 2 devices of this process: "
                          r"strategy='hooked' runs one rank per device.*use strategy='compiled'",
                          got.get(("split_batch", rank), "(missing)")), got
+
+
+def test_a_compiled_step_whose_peer_never_comes_is_named_in_portddps_words(tmp_path):
+    """Rank 1 skips the first compiled step (its loss check raised, the script caught it and went on
+    to a collective of its own): rank 0's program waits for it in XLA's key-value store and XLA gives
+    up after 30 s naming neither a rank nor a cause ("Gloo context initialization failed:
+    DEADLINE_EXCEEDED: GetKeyValue() timed out ..."; an audit); said in portddp's words, and the job
+    stops (the watchdog tells rank 1)."""
+    script = tmp_path / "skip.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp, portddp\n"
+        "from portddp.jax import DistributedDataParallel as DDP\n"
+        "w = portddp.init(jax_distributed=True)\n"
+        "params = {'w': jnp.ones((3,))}\n"
+        "ddp = DDP(params, strategy='compiled')\n"
+        "grad_fn = ddp.value_and_grad(lambda p, x: jnp.sum(p['w'] * x) if w.rank == 0 else p['w'] * x)\n"
+        "try:\n"
+        "    grad_fn(params, jnp.ones((4, 3)))\n"
+        "except TypeError as e:\n"
+        "    print('CAUGHT', w.rank, flush=True)\n"
+        "    from portddp.launch import mpi_comm\n"
+        "    mpi_comm().Barrier()\n")
+    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, str(script)], cwd=mpi.ROOT,
+                          capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
+    assert re.search(r"RuntimeError: portddp\.jax \(strategy='compiled', after 0 iteration\(s\)\): the other ranks did "
+                     r"not reach this step's collectives within XLA's wait for them \(30 s\).*XLA said: ", out), out[-3000:]

@@ -149,6 +149,26 @@ class _PlanState(NamedTuple):
     lent: list  # eager hooked steps: sets of bucket buffers, some still lent to the caller (_lend)
 
 
+
+@contextlib.contextmanager
+def _xla_rendezvous_named(strategy: str, iterations: int):
+    """XLA's own words when its collectives cannot start -- every rank meets in the key-value store
+    before a program's first all-reduce, and gives up after 30 s: "Gloo context initialization failed:
+    DEADLINE_EXCEEDED: GetKeyValue() timed out with key: cpu:gloo/...", naming no rank and no cause
+    (an audit: the other rank had raised portddp's own error and caught it) -- said in portddp's."""
+    try:
+        yield
+    except Exception as e:
+        text = str(e)
+        if "GetKeyValue() timed out" not in text and "Gloo context initialization failed" not in text:
+            raise
+        raise RuntimeError(
+            f"portddp.jax (strategy={strategy!r}, after {iterations} iteration(s)): the other ranks did not reach "
+            "this step's collectives within XLA's wait for them (30 s): a rank is behind (loading, compiling, "
+            "checkpointing), raised an error (see its output), or skipped this step (grad_fn called on some "
+            f"ranks only). Every rank must call grad_fn at every step. XLA said: {text.splitlines()[0][:300]}") from e
+
+
 class DistributedDataParallel(DDPCommon):
     """Data-parallel gradients for a parameter pytree (or a Flax NNX state).
 
@@ -686,7 +706,7 @@ class DistributedDataParallel(DDPCommon):
             t0 = _now()
             watchdog.step_started()
             self._issue(f"{self.strategy} step")  # (the stall inspector's name for the program's collectives)
-            with watchdog.waiting(computes=True):
+            with watchdog.waiting(computes=True), _xla_rendezvous_named(self.strategy, self._iterations):
                 *out, counts = step.run(static, params, state, batch, scale, self._step_slot())
                 jax.block_until_ready(out[-1])
             watchdog.step_finished()
