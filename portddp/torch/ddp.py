@@ -1037,6 +1037,10 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         early_write = not self.check_finite
         with watchdog.waiting():
             for b, fut in enumerate(self._futures):
+                # (not kept past the iteration: a script that destroys the process group after its last
+                # step would leave c10d's futures to the interpreter's teardown, which now and then
+                # aborted the rank -- "terminate called without an active exception", 1 run in ~15)
+                self._futures[b] = None
                 result = self._check_hook_result(b, fut.wait()) if self._hook is not None else _tensor_of(fut.wait())
                 if self._sparse_buckets and b in self._sparse_buckets:
                     self._finish_sparse(b, result)
