@@ -264,9 +264,8 @@ def _free_port() -> int:
     JAX's coordinator), from outside the kernel's ephemeral range where it leaves room. A port the
     kernel hands out itself (a bind to port 0) lies inside that range, where until the server listens
     any other process's bind to port 0 or outgoing connection may be given it too -- the server then
-    fails to start, or a peer connects to a stranger's socket and waits for ever (start-up hangs of
-    a job beside others, a few in a thousand, never reproduced alone). Outside the range only a
-    process naming the same port can meet it."""
+    fails to start, or a peer connects to a stranger's socket and waits for ever. Outside the range
+    only a process naming the same port can meet it."""
     pool = _port_pool()
     if pool is not None:
         pick = random.SystemRandom()  # (not the script's seeded `random`: every job would pick alike)
