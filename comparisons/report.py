@@ -724,11 +724,12 @@ def build(results: Path, out: Path, prog: str = "python -m comparisons.report") 
             scaling_section(found["scaling"]), plot_scaling(usable, out) if usable else None), each=True))
     if "no_sync" in found:
         p = found["no_sync"][-1]
-        sections.append(_section("Gradient accumulation (no_sync)", [p], lambda: (generic_section(p, "per_sample"),
-                                                                                  None)))
+        sections.append(_section("Gradient accumulation (no_sync)", [p], lambda: (
+            generic_section(p, "per_sample", spread=True) + _samples_text(p), None)))
     if "compression" in found:
         p = found["compression"][-1]
-        sections.append(_section("Compression hooks", [p], lambda: (generic_section(p, "loss"), None)))
+        sections.append(_section("Compression hooks", [p], lambda: (
+            generic_section(p, "loss", spread=True) + _samples_text(p), None)))
     if not sections:
         _no_results(results, problems)
     any_payload = next((ps[-1] for ps in found.values() if "environment" in ps[-1]), None)

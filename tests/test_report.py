@@ -150,7 +150,7 @@ def test_a_result_without_timed_iterations_costs_its_section_one_line_not_the_re
             f"--steps-per-round of 1 or more\n") in md, md
     assert "Where the time goes" not in md  # (no empty Gantt section above that line)
     assert f"Not shown: {tmp_path / 'compression-n2.json'} holds no measured rows: rerun the experiment" in md
-    assert "| native / 1 | 10.0 | 625 | 0.50 |" in md  # the usable sections as ever
+    assert "| native / 1 | 10.0 (10–10) | 625 | 0.50 |" in md  # the usable sections as ever (IQR beside medians)
     assert f"Not shown: {path} has no timed iterations" in html
 
 
