@@ -123,6 +123,7 @@ class _Progress:
     waiting_for = ""
     waiting_computes = False  # the wait is a compiled program that also computes (portddp.jax compiled)
     idle_since = time.monotonic()
+    raised: tuple[float, str] | None = None  # (when, what) the last portddp call that raised to the script
     lock = threading.Lock()
 
 
@@ -173,6 +174,12 @@ class _Waiting:
         return False
 
 
+def note_raised(exc: BaseException) -> None:
+    """A portddp call on this rank raised `exc` to the script. If the script catches it and goes on,
+    and this rank falls behind, the stall inspector says so (it said only "has been computing")."""
+    _PROGRESS.raised = (time.monotonic(), _summary(type(exc), exc))
+
+
 def waiting(name: str = "", computes: bool = False):
     """Context manager: this thread is blocked waiting for collective(s) -- e.g. around a
     future's or handle's wait(). `name` defaults to the last collective issued. `computes`: the
@@ -191,7 +198,8 @@ def _my_state(rank: int) -> dict:
             "waiting": None if since is None else round(now - since, 3), "waiting_for": p.waiting_for,
             "computes": since is not None and p.waiting_computes,
             "idle": None if since is not None else round(now - p.idle_since, 3),
-            "iterations": _STEPS.completed, "in_iteration": _STEPS.busy}
+            "iterations": _STEPS.completed, "in_iteration": _STEPS.busy,
+            "raised": None if p.raised is None else [round(now - p.raised[0], 1), p.raised[1]]}
 
 
 def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", departed: dict | None = None) -> str | None:
@@ -244,9 +252,14 @@ def stall_report(states: dict, stall_s: float, who=lambda r: f"rank {r}", depart
                  ". Every rank must issue the same collectives in the same order (the same calls, on every rank)"
                  + desync_hint(set(by_name)))
     elif behind:
+        def since(r):  # (a portddp error the script caught since that collective, then went elsewhere)
+            raised = live[r].get("raised")
+            return ("" if not raised or raised[0] > live[r]["idle"] + 1 else
+                    f" (its last portddp call raised {raised[1]} {raised[0]:.0f} s ago, and the script went on)")
+
         head += (f"{ranks(behind)} {'is' if len(behind) == 1 else 'are'} behind: " + "; ".join(
             f"rank {r}'s last collective is {coll(r)} and it has been computing for {live[r]['idle']:.1f} s since"
-            for r in behind) + f", while {ranks(leaders)} {'is' if len(leaders) == 1 else 'are'} in "
+            + since(r) for r in behind) + f", while {ranks(leaders)} {'is' if len(leaders) == 1 else 'are'} in "
             f"{coll(leaders[0])}. Find what {'it is' if len(behind) == 1 else 'they are'} doing (a slow step, I/O, "
             "work on some ranks only), or raise PORTDDP_STALL_S if this wait is expected")
     elif departed:

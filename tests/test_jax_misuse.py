@@ -6,6 +6,7 @@ raising on one rank (which ends the job)."""
 from __future__ import annotations
 
 import glob
+import os
 import re
 import subprocess
 import sys
@@ -208,3 +209,27 @@ def test_a_compiled_step_whose_peer_never_comes_is_named_in_portddps_words(tmp_p
     assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
     assert re.search(r"RuntimeError: portddp\.jax \(strategy='compiled', after 0 iteration\(s\)\): the other ranks did "
                      r"not reach this step's collectives within XLA's wait for them \(30 s\).*XLA said: ", out), out[-3000:]
+
+
+def test_a_rank_that_caught_portddps_error_and_went_on_is_named_with_it_by_the_stall_inspector(tmp_path):
+    """Rank 1's loss check raised, its script caught it and went elsewhere: the stall inspector named
+    rank 1 as "computing" (an audit); it now also says what its last portddp call raised."""
+    script = tmp_path / "caught.py"
+    script.write_text(
+        "import time, jax.numpy as jnp, portddp\n"
+        "from portddp.jax import DistributedDataParallel as DDP\n"
+        "w = portddp.init()\n"
+        "params = {'w': jnp.ones((3,))}\n"
+        "grad_fn = DDP(params).value_and_grad(lambda p, x: jnp.sum(p['w'] * x) if w.rank == 0 else p['w'] * x)\n"
+        "try:\n"
+        "    grad_fn(params, jnp.ones((4, 3)))\n"
+        "except TypeError:\n"
+        "    print('CAUGHT', w.rank, flush=True)\n"
+        "    time.sleep(60)\n")
+    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, str(script)], cwd=mpi.ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PORTDDP_STALL_S": "5"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
+    assert re.search(r"rank 1 is behind: rank 1's last collective is #\d+ '[^']*' and it has been computing for "
+                     r"[\d.]+ s since \(its last portddp call raised TypeError: loss_fn must return a scalar; .* "
+                     r"\d+ s ago, and the script went on\)", out), out[-3000:]

@@ -388,6 +388,17 @@ def test_a_long_compiled_step_on_every_rank_is_not_a_stall_but_a_rank_behind_it_
     assert "the ranks issued different collectives" in watchdog.stall_report(other, 5.0)
 
 
+
+def test_a_rank_behind_is_named_with_the_portddp_error_it_caught_since_its_last_collective():
+    """(An audit: a rank whose script caught portddp's own error and went elsewhere was said to be
+    "computing".) Only an error since its last collective is named: an older one was not why."""
+    waiting = _state(0, 9, 30.0, name="iteration 3: bucket 0")
+    since = {**_state(1, 8, None, name="iteration 3: plan check"), "raised": [8.5, "TypeError: loss_fn must ..."]}
+    assert ("has been computing for 9.0 s since (its last portddp call raised TypeError: loss_fn must ... 8 s ago, "
+            "and the script went on)") in watchdog.stall_report({0: waiting, 1: since}, 5.0)
+    before = {**since, "raised": [40.0, "TypeError: an old one"]}
+    assert "an old one" not in watchdog.stall_report({0: waiting, 1: before}, 5.0)
+
 @pytest.mark.parametrize("target", ["rank", "mpirun"])
 def test_sigterm_stops_a_jax_distributed_job_within_seconds(target, tmp_path):
     """jax.distributed's preemption notifier used to swallow SIGTERM (a job ran 189 s past it): now a

@@ -817,8 +817,9 @@ class DistributedDataParallel(DDPCommon):
         def ended_on_error(static, params, state, batch, *sync):
             try:
                 out = step(static, params, state, batch, *sync)
-            except BaseException:  # (a call that failed ended whatever iteration it opened: eager, or
+            except BaseException as e:  # (a call that failed ended whatever iteration it opened: eager, or
                 _OPEN.release(self)  # run op by op under the caller's jax.grad before it was refused)
+                watchdog.note_raised(e)
                 raise
             if captured is not None and not captured.learnt and not isinstance(batch, Joined) and not taps.traced(
                     (params, state, batch)):  # the step just traced loss_fn: what did it read?
