@@ -59,7 +59,8 @@ import numpy as np
 
 from portddp import env
 
-__all__ = ["ShmAllreduce", "half_add", "is_half", "loaded_torch", "node_comm", "scatter_into", "TORCH_SERIAL"]
+__all__ = ["ShmAllreduce", "half_add", "is_half", "loaded_torch", "node_comm", "scatter_into", "torch_half",
+           "torch_serially", "TORCH_SERIAL"]
 
 _ALIGN = 64  # bytes: slices and allocations start on a cache line
 _HEADER = 4096  # per-rank header: counter (int32, the futex word) + descriptor
@@ -509,6 +510,17 @@ def loaded_torch():
     return torch
 
 
+def torch_half(torch, a: np.ndarray):
+    """A flat torch view of the float16 or bfloat16 numpy array `a` (numpy has no bfloat16: through its bits)."""
+    kind = torch.float16 if a.dtype == np.float16 else torch.bfloat16
+    return torch.from_numpy(a.reshape(-1).view(np.int16)).view(kind)
+
+
+def torch_serially(n: int) -> list[slice]:
+    """Slices of range(n), TORCH_SERIAL elements each: torch ops over them start no OpenMP team."""
+    return [slice(i, i + TORCH_SERIAL) for i in range(0, n, TORCH_SERIAL)]
+
+
 def half_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out = a + b for 16-bit floats (of one dtype; `out` is an input or overlaps neither), computed
     in float32 and rounded back, as Gloo and NCCL sum half types (the shared-memory sum and
@@ -520,10 +532,8 @@ def half_add(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     torch = loaded_torch()
     if torch is not None and all(x.flags.c_contiguous and x.flags.writeable and x.dtype.isnative
                                  for x in (a, b, out)):  # (torch.from_numpy's terms)
-        kind = torch.float16 if a.dtype == np.float16 else torch.bfloat16
-        x, y, z = (torch.from_numpy(v.reshape(-1).view(np.uint16)).view(kind) for v in (a, b, out))
-        for i in range(0, z.numel(), TORCH_SERIAL):
-            j = i + TORCH_SERIAL
-            torch.add(x[i:j], y[i:j], out=z[i:j])
+        x, y, z = (torch_half(torch, v) for v in (a, b, out))
+        for part in torch_serially(z.numel()):
+            torch.add(x[part], y[part], out=z[part])
     else:
         np.copyto(out, (a.astype(np.float32) + b.astype(np.float32)).astype(out.dtype))

@@ -149,7 +149,6 @@ class _PlanState(NamedTuple):
     lent: list  # eager hooked steps: sets of bucket buffers, some still lent to the caller (_lend)
 
 
-
 @contextlib.contextmanager
 def _xla_rendezvous_named(strategy: str, iterations: int):
     """XLA's own words when its collectives cannot start -- every rank meets in the key-value store

@@ -17,7 +17,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from portddp.shm import TORCH_SERIAL
+from portddp.shm import torch_half, torch_serially
 from portddp.transport import Handle
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "noop_hook", "PowerSGDState",
@@ -37,23 +37,19 @@ def _compress_hook(bucket, dtype) -> Handle:
     # Cast, then divide (by the world size itself, as PyTorch's hook) before the sum: a sum of
     # undivided float16 gradients overflows first.
     if torch is not None:
-        kind = torch.float16 if dtype == np.float16 else torch.bfloat16
-        bits = np.empty(buffer.size, np.int16)  # (numpy has no bfloat16: torch writes its bits)
-        src, dst = torch.from_numpy(buffer.reshape(-1)), torch.from_numpy(bits).view(kind)
-        for i in range(0, buffer.size, TORCH_SERIAL):  # (no OpenMP team on this callback thread)
-            part = dst[i:i + TORCH_SERIAL]
-            part.copy_(src[i:i + TORCH_SERIAL])
-            part.div_(bucket.world_size)
-        compressed = bits.view(dtype).reshape(buffer.shape)
+        compressed = np.empty(buffer.shape, dtype)
+        src, dst = torch.from_numpy(buffer.reshape(-1)), torch_half(torch, compressed)
+        for part in torch_serially(buffer.size):  # (no OpenMP team on this callback thread)
+            dst[part].copy_(src[part]).div_(bucket.world_size)
     else:
         compressed = (buffer.astype(dtype).astype(np.float32) / np.float32(bucket.world_size)).astype(dtype)
 
     def decompress(handle):
         result = handle.result
         if torch is not None and result.flags.writeable and result.flags.c_contiguous:
-            src, dst = torch.from_numpy(result.reshape(-1).view(np.int16)).view(kind), torch.from_numpy(buffer.reshape(-1))
-            for i in range(0, buffer.size, TORCH_SERIAL):
-                dst[i:i + TORCH_SERIAL].copy_(src[i:i + TORCH_SERIAL])
+            src, dst = torch_half(torch, result), torch.from_numpy(buffer.reshape(-1))
+            for part in torch_serially(buffer.size):
+                dst[part].copy_(src[part])
         else:
             buffer[...] = result
         return buffer
