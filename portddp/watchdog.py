@@ -73,6 +73,7 @@ jax.distributed).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import selectors
@@ -178,6 +179,19 @@ def note_raised(exc: BaseException) -> None:
     """A portddp call on this rank raised `exc` to the script. If the script catches it and goes on,
     and this rank falls behind, the stall inspector says so (it said only "has been computing")."""
     _PROGRESS.raised = (time.monotonic(), _summary(type(exc), exc))
+
+
+def noting_errors(fn):
+    """`fn`, with what it raises to the script noted (note_raised): portddp.torch's forward."""
+    @functools.wraps(fn)
+    def noted(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            note_raised(e)
+            raise
+
+    return noted
 
 
 def waiting(name: str = "", computes: bool = False):

@@ -4,7 +4,10 @@ tests/workers/torch_bad_input.py with a timeout, every rank's output and exit co
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -157,3 +160,27 @@ def test_distributed_autograd_is_refused_on_every_rank():
     mpi.errors_on_every_rank(proc, 2, r"NotImplementedError: this forward runs inside a torch\.distributed\.autograd "
                                       r"context .* use torch\.nn\.parallel\.DistributedDataParallel for distributed "
                                       r"autograd")
+
+
+def test_a_rank_that_caught_portddps_error_in_a_forward_is_named_with_it_by_the_stall_inspector(tmp_path):
+    """As portddp.jax's grad_fn (tests/test_jax_misuse.py): rank 1 changed its model after wrapping,
+    its forward raised, its script caught that and went elsewhere; the stall table says what it raised."""
+    script = tmp_path / "caught.py"
+    script.write_text(
+        "import time, torch, portddp\n"
+        "from portddp.torch import DistributedDataParallel as DDP\n"
+        "w = portddp.init()\n"
+        "ddp = DDP(torch.nn.Linear(3, 1), transport='mpi')\n"
+        "if w.rank == 1:\n"
+        "    ddp.module.extra = torch.nn.Parameter(torch.ones(2))\n"
+        "try:\n"
+        "    ddp(torch.ones(4, 3)).sum().backward()\n"
+        "except RuntimeError:\n"
+        "    print('CAUGHT', w.rank, flush=True)\n"
+        "    time.sleep(60)\n")
+    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, str(script)], cwd=mpi.ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PORTDDP_STALL_S": "5"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
+    assert re.search(r"rank 1 is behind: .*has been computing for [\d.]+ s since \(its last portddp call raised "
+                     r"RuntimeError: .* \d+ s ago, and the script went on\)", out), out[-3000:]

@@ -528,6 +528,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
 
     # ---- one iteration: begin (the forward), trigger (a hook per parameter), pack, launch
 
+    @watchdog.noting_errors  # (a rank whose script caught it and went on: named by the stall inspector)
     def _pre_forward(self, *inputs, **kwargs):
         """Everything before the module runs (kept out of torch.compile's graph: it talks to other ranks)."""
         start = _now()
