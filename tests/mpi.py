@@ -24,7 +24,15 @@ def mpirun_path() -> str:
 
 def run(n: int | None, module: str, *args: str, timeout: float = 240, env: dict | None = None):
     """Run `python -m module args` under `mpirun -n n` (plain python when n is None)."""
-    cmd = [sys.executable, "-m", module, *args]
+    return _run([sys.executable, "-m", module, *args], n, timeout, env)
+
+
+def run_script(n: int | None, path, *args: str, timeout: float = 240, env: dict | None = None):
+    """Run `python path args` (a script a test wrote) under `mpirun -n n`, as run() does a module."""
+    return _run([sys.executable, str(path), *args], n, timeout, env)
+
+
+def _run(cmd: list, n: int | None, timeout: float, env: dict | None):
     if n is not None:
         cmd = [mpirun_path(), "-n", str(n), *cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -6,10 +6,7 @@ raising on one rank (which ends the job)."""
 from __future__ import annotations
 
 import glob
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -203,8 +200,7 @@ def test_a_compiled_step_whose_peer_never_comes_is_named_in_portddps_words(tmp_p
         "    print('CAUGHT', w.rank, flush=True)\n"
         "    from portddp.launch import mpi_comm\n"
         "    mpi_comm().Barrier()\n")
-    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, str(script)], cwd=mpi.ROOT,
-                          capture_output=True, text=True, timeout=150)
+    proc = mpi.run_script(2, script, timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
     assert re.search(r"RuntimeError: portddp\.jax \(strategy='compiled', after 0 iteration\(s\)\): the other ranks did "
@@ -226,8 +222,7 @@ def test_a_rank_that_caught_portddps_error_and_went_on_is_named_with_it_by_the_s
         "except TypeError:\n"
         "    print('CAUGHT', w.rank, flush=True)\n"
         "    time.sleep(60)\n")
-    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, str(script)], cwd=mpi.ROOT,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PORTDDP_STALL_S": "5"})
+    proc = mpi.run_script(2, script, timeout=120, env={"PORTDDP_STALL_S": "5"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
     assert re.search(r"rank 1 is behind: rank 1's last collective is #\d+ '[^']*' and it has been computing for "

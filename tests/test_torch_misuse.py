@@ -4,10 +4,7 @@ tests/workers/torch_bad_input.py with a timeout, every rank's output and exit co
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -178,8 +175,7 @@ def test_a_rank_that_caught_portddps_error_in_a_forward_is_named_with_it_by_the_
         "except RuntimeError:\n"
         "    print('CAUGHT', w.rank, flush=True)\n"
         "    time.sleep(60)\n")
-    proc = subprocess.run([mpi.mpirun_path(), "-n", "2", sys.executable, str(script)], cwd=mpi.ROOT,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PORTDDP_STALL_S": "5"})
+    proc = mpi.run_script(2, script, timeout=120, env={"PORTDDP_STALL_S": "5"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
     assert re.search(r"rank 1 is behind: .*has been computing for [\d.]+ s since \(its last portddp call raised "
