@@ -33,22 +33,34 @@ SCENARIOS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[(2, "c10d"), (2, "mpi"), (3, "mpi")], ids=lambda p: f"n{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[(2, "c10d"), (2, "mpi"), (3, "c10d"), (3, "mpi")],
+                ids=lambda p: f"n{p[0]}-{p[1]}")
 def results(request, tmp_path_factory):
     n, transport = request.param
     out = tmp_path_factory.mktemp(f"dropin_n{n}_{transport}")
     return n, mpi.collect(n, "tests.workers.torch_dropin", out, transport), transport
 
 
+# Compared with native DDP in another configuration -- a different bucket plan, so at n >= 3 other
+# sums: native with find_unused_parameters (where it fails with static_graph), without static_graph
+# (where native's static_graph silently does not reduce), without the delayed parameters, and a
+# native wrapper that has trained an iteration against a fresh one of ours.
+OTHER_CONFIGURATION = {"static_graph_ignored_output", "static_graph_dataclass_output", "delay_all_reduce",
+                       "checkpoint_state_dict"}
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_trains_exactly_like_native_ddp(results, scenario):
-    """Bitwise at n=2 (a sum of two is order-free); at n=3 the ring may add in another order: 2e-5,
-    or for sums in float16 a few of its ulps (2**-10 relative) on these O(1) weights."""
+    """Bitwise at n=2 (a sum of two is order-free), and on c10d at n=3 too: the same buckets as
+    native's, so the same Gloo all-reduces, whose ring adds each chunk of a bucket in its own rank
+    order. MPI at n=3 adds in its own order: 2e-5, or for sums in float16 a few of its ulps (2**-10
+    relative) on these O(1) weights; so do scenarios compared with another configuration of native."""
     n, rows, transport = results
     _, got = mpi.each_rank((n, rows), f"{scenario}/{transport}")
     bound = 4 * 2.0**-10 if "fp16" in scenario else 2e-5
+    bitwise = n == 2 or transport == "c10d" and scenario not in OTHER_CONFIGURATION
     for row in got:
-        assert row["bitwise"] if n == 2 else row["max_diff"] <= bound, row
+        assert row["bitwise"] if bitwise else row["max_diff"] <= bound, row
         assert row.get("grad_as_native", True), row  # .grad None (ignored head) or zeros (undefined_grad), as native
         assert row.get("buckets_as_native", True), row  # a comm hook saw native's buckets
         assert row.get("old_refused", True), row  # rewrap: the superseded wrapper refuses a forward

@@ -180,3 +180,30 @@ def test_a_rank_that_caught_portddps_error_in_a_forward_is_named_with_it_by_the_
     assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
     assert re.search(r"rank 1 is behind: .*has been computing for [\d.]+ s since \(its last portddp call raised "
                      r"RuntimeError: .* \d+ s ago, and the script went on\)", out), out[-3000:]
+
+
+def test_a_rank_that_caught_portddps_error_in_a_backward_is_named_with_it_by_the_stall_inspector(tmp_path):
+    """The same for an error raised inside the backward, by portddp's gradient hook: rank 1 runs a
+    second backward through the first one's graph, catches the error and goes elsewhere, while rank 0
+    waits in the next iteration's all-reduce."""
+    script = tmp_path / "caught_backward.py"
+    script.write_text(
+        "import time, torch, portddp\n"
+        "from portddp.torch import DistributedDataParallel as DDP\n"
+        "w = portddp.init()\n"
+        "ddp = DDP(torch.nn.Linear(3, 1), transport='mpi')\n"
+        "loss = ddp(torch.ones(4, 3)).sum()\n"
+        "loss.backward(retain_graph=True)\n"
+        "if w.rank == 1:\n"
+        "    try:\n"
+        "        loss.backward()\n"
+        "    except RuntimeError:\n"
+        "        print('CAUGHT', w.rank, flush=True)\n"
+        "        time.sleep(60)\n"
+        "ddp(torch.ones(4, 3)).sum().backward()\n")
+    proc = mpi.run_script(2, script, timeout=120, env={"PORTDDP_STALL_S": "5"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
+    assert re.search(r"rank 1 is behind: .*has been computing for [\d.]+ s since \(its last portddp call raised "
+                     r"RuntimeError: gradient of '(weight|bias)' arrived outside a DDP iteration.* \d+ s ago, and the script "
+                     r"went on\)", out), out[-3000:]

@@ -49,6 +49,7 @@ method names for the same roles. What PyTorch has that JAX has not:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -429,12 +430,14 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._sparse_buckets = {b for b, bucket in enumerate(plan.buckets) if bucket.sparse}
         self._sparse_grads: dict[int, torch.Tensor] = {}  # this iteration's, per sparse bucket, until reduced
         self._sparse_results: dict[int, torch.Tensor] = {}  # ... then reduced
-        # On c10d the last bucket also carries the iteration's used counts (see _finalize): its
-        # buffer is the head of one with a tail for them, all-reduced together when no comm hook
-        # is registered -- one Gloo collective fewer per step, whose round trip native DDP
-        # does not pay either. (Counts and step slots are small integers: exact in float32.)
+        # On c10d between two ranks the last bucket also carries the iteration's used counts (see
+        # _finalize): its buffer is the head of one with a tail for them, all-reduced together when
+        # no comm hook is registered -- one Gloo collective fewer per step, whose round trip native
+        # DDP does not pay either. (Counts and step slots are small integers: exact in float32.)
+        # Not at n >= 3: a longer buffer moves the boundaries of the chunks Gloo's ring adds in
+        # different rank orders, and the gradients would no longer be native's to the bit.
         self._tail = None
-        if self.transport == "c10d" and self.world_size > 1 and plan.buckets and (
+        if self.transport == "c10d" and self.world_size == 2 and plan.buckets and (
                 plan.buckets[-1].dtype in ("float32", "float64")) and not plan.buckets[-1].sparse:
             last = plan.buckets[-1]
             self._last_full = self._comm.zeros(last.numel + 2 * len(self._params) + self.world_size,
@@ -733,11 +736,19 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         self._scale_of = {dtype: torch.tensor(self._inv_world, dtype=dtype) for dtype in (torch.float32, torch.float64)}
 
     def _initial_plan(self, specs: list[ParamSpec]) -> BucketPlan:
-        """The plan before any re-plan, native's: reverse registration order, re-planned from the
-        observed order after the first iteration -- or, with find_unused_parameters and no
-        static_graph, where native never re-plans, its buckets filled in registration order."""
+        """The plan before any re-plan. With find_unused_parameters and no static_graph, where
+        native never re-plans: its capped buckets, filled in registration order. Otherwise the order
+        the gradients will come in is not known yet, and on c10d the plan is native's: one bucket
+        per dtype (a sparse gradient alone) in registration order, until the re-plan from the
+        observed order (_observes_order). The same buckets as native's are the same Gloo
+        all-reduces: at n >= 3, where Gloo's ring adds each chunk of a bucket in its own rank order,
+        the same sums to the bit (and a comm hook sees native's buckets). Over MPI, whose sums
+        at n >= 3 are its own anyway, the planner's buckets in reverse registration order from the
+        first iteration, as portddp.jax's, which may share the job's collectives."""
         if self.find_unused_parameters and not self.static_graph:
             return plan_as_registered(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
+        if self.transport == "c10d":
+            return plan_as_registered(specs, math.inf, math.inf)
         return plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
 
     def _keep_hooks_last(self) -> None:
@@ -772,7 +783,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             elif ddp.find_unused_parameters and param.grad is not None:  # under no_sync (or through
                 ddp._used_unsynced[i] = 1  # ddp.module) it simply accumulates in .grad: used since the last reduction
 
-        return hook
+        return watchdog.noting_errors(hook)  # (raised through the script's backward(), which may catch it)
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
         now = _now()
@@ -860,7 +871,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             )
         if self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():  # already in place
             if self._hook is None:
-                view.mul_(self._scale_of.get(grad.dtype, self._inv_world))
+                view.div_(self._divisor)  # (native's reducer divides here, where it multiplies on a copy)
             return
         if self._hook is None:
             # Divide while copying: one pass over the gradient instead of two.
@@ -905,6 +916,16 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             buffer = self._last_full
         self._futures[b] = self._reduce_bucket(b, buffer, ev)
 
+    def _observes_order(self) -> bool:
+        """Whether the iteration just finished is the one whose gradient order the plan is rebuilt
+        from: the first synchronised iteration, never with find_unused_parameters alone; with
+        static_graph on c10d the second, as native's (its first learns the graph and reduces
+        everything at its end; native's reducer records the order in the second and keeps its one
+        bucket until then)."""
+        if self.static_graph:
+            return self._iterations >= (2 if self.transport == "c10d" else 1)
+        return not self.find_unused_parameters and self._iterations >= 1
+
     def _carries_used(self) -> bool:
         """Whether the last bucket's all-reduce carries the used counts (c10d, no comm hook)."""
         return self._tail is not None and self._hook is None
@@ -931,9 +952,12 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
                 "PowerSGD compresses dense buckets and hands a sparse one back unreduced -- native DDP's ranks then "
                 "train their tables apart, silently. Build the module with sparse=False, or use a hook that "
                 "all-reduces a sparse bucket (PyTorch's allreduce_hook)")
+        if buffer.is_complex() and not buffer.is_sparse:  # native's hooks see its real view: (re, im) pairs
+            buffer = torch.view_as_real(buffer).view(-1)
+        elif self.transport == "c10d" and not buffer.is_sparse:
+            buffer = buffer.view(-1)
         try:
-            fut = self._hook(self._hook_state, self._grad_bucket(
-                b, buffer.view(-1) if self.transport == "c10d" and not buffer.is_sparse else buffer))
+            fut = self._hook(self._hook_state, self._grad_bucket(b, buffer))
         except (RuntimeError, NotImplementedError) as e:
             if buffer.is_sparse:
                 name = self._names[self._plan.buckets[b].params[0]]
@@ -1070,7 +1094,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             self._sync_flag = None
         # Re-plan once from the observed order -- as native's reducer, not with find_unused_parameters
         # (unless static_graph): its buckets stay native's (plan_as_registered), as a comm hook sees them.
-        if not self._rebuilt and self._rebuild_order is None and (self.static_graph or not self.find_unused_parameters):
+        if not self._rebuilt and self._rebuild_order is None and self._observes_order():
             self._rebuild_order = self._ready_order
         check_same_step(steps, self.rank)
         if not (self.find_unused_parameters or self.static_graph) and min(counts) < self._contributors:
@@ -1156,8 +1180,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         # The others re-plan at the forward after their first synchronised iteration: so does a rank that
         # joined before it had one (no batch at all), taking rank 0's order (as native's joined rank, which
         # pushes every parameter as observed; with rank 0 joined so, that is the parameters' order).
-        if self._rebuild_order is not None or not self._rebuilt and self._iterations >= 1 and (
-                self.static_graph or not self.find_unused_parameters):
+        if self._rebuild_order is not None or not self._rebuilt and self._observes_order():
             self._rebuild()
         if self._will_sync_buffers():
             self._sync_buffers(True, joined=True)

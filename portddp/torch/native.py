@@ -472,6 +472,7 @@ class NativeInterface:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._finalize_queued = True
 
+    @watchdog.noting_errors  # (what _finalize raises reaches the script through its backward())
     def _end_of_backward(self) -> None:
         """The callback `_queue_finalize` queued. A reentrant activation checkpoint
         (`checkpoint(..., use_reentrant=True)`) runs its part of the backward as a nested pass,
