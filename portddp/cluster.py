@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from portddp import env
-from portddp.watchdog import mpich_segments_in, pid_alive
+from portddp.watchdog import mpich_segments_in, mpich_segments_in_use, pid_alive
 
 __all__ = ["Cluster", "parse_rate", "check_job", "interface_bytes", "run", "cleanup_stale", "PREFIX"]
 
@@ -556,11 +556,14 @@ def _remove_unmapped_segments(names: set[str]) -> list[str]:
     script does not."""
     if not names:
         return []
+    def in_use() -> set[str]:
+        return {Path(p).name for p in mpich_segments_in_use()}
+
     deadline = time.monotonic() + 2.0
-    while names & _mapped_segments(Path("/proc").glob("[0-9]*/maps")) and time.monotonic() < deadline:
+    while names & in_use() and time.monotonic() < deadline:
         time.sleep(0.1)
     removed = []
-    for name in sorted(names - _mapped_segments(Path("/proc").glob("[0-9]*/maps"))):
+    for name in sorted(names - in_use()):
         with contextlib.suppress(OSError):
             (_SHM / name).unlink()
             removed.append(name)

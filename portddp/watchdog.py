@@ -932,6 +932,34 @@ def mpich_segments_in(maps: str) -> set[str]:
             if "/dev/shm/mpich_" in line and len(line.split(None, 5)) == 6}
 
 
+def mpich_segments_in_use() -> set[str]:
+    """The paths of MPICH's /dev/shm segments that some process of this host maps or holds open.
+
+    Only such a segment's name may be removed by anyone but its job: MPICH 5's ranks meet in MPI_Init
+    by opening one agreed name (mpich_shm_<job>_<node>), the first creating it; a name removed
+    before the last rank has opened it makes that rank create a segment of its own, and the ranks
+    then wait for each other in two different segments, forever. A rank holds the file open from
+    its creation until it has mapped it. (A process whose /proc files cannot be read counts as using
+    none.)"""
+    used: set[str] = set()
+    for proc in os.scandir("/proc"):
+        if not proc.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{proc.name}/maps") as maps:
+                used |= mpich_segments_in(maps.read())
+            for fd in os.scandir(f"/proc/{proc.name}/fd"):
+                try:
+                    target = os.readlink(fd.path)
+                except OSError:
+                    continue
+                if target.startswith("/dev/shm/mpich_"):
+                    used.add(target.removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return used
+
+
 def _is_c10d_timeout(value) -> bool:
     try:
         text = str(value)

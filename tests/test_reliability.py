@@ -473,3 +473,32 @@ def test_a_desync_of_a_known_shape_says_what_usually_causes_it(names, hint):
     alone = {0: _state(0, 8, 6.0, name="iteration 1: broadcast of rank 0's model: model check"),
              1: _state(1, 8, 6.0, name="iteration 1: bucket 0")}
     assert "re-plan" not in watchdog.stall_report(alone, 5.0)
+
+
+def test_a_segment_some_process_holds_open_or_maps_is_in_use_and_one_nobody_uses_is_not():
+    """What the suite (tests/conftest.py) and `portddp cluster` may remove: only a segment no process of
+    this host uses. A name removed while a job's ranks meet in MPI_Init (the first opens it, the others
+    after) made the late rank create a segment of its own, and the job hung there for good: the suite
+    removed every new segment after each test, also those of a job running beside it."""
+    path = f"/dev/shm/mpich_shm_portddptest{os.getpid()}_0"
+    with open(path, "wb") as f:
+        f.truncate(4096)
+    holders = {
+        "open": f"f = open({path!r}, 'rb'); print('ready', flush=True); input()",
+        "mapped": f"import mmap; f = open({path!r}, 'r+b'); m = mmap.mmap(f.fileno(), 4096); f.close(); "
+                  "print('ready', flush=True); input()",
+    }
+    try:
+        assert path not in watchdog.mpich_segments_in_use()  # (this process closed it, mapping nothing)
+        for how, code in holders.items():
+            with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True) as holder:
+                try:
+                    assert holder.stdout.readline().strip() == "ready", how
+                    assert path in watchdog.mpich_segments_in_use(), how
+                finally:
+                    holder.stdin.close()
+                    holder.wait(timeout=30)
+            assert path not in watchdog.mpich_segments_in_use(), how
+    finally:
+        os.unlink(path)
