@@ -159,51 +159,44 @@ def test_distributed_autograd_is_refused_on_every_rank():
                                       r"autograd")
 
 
-def test_a_rank_that_caught_portddps_error_in_a_forward_is_named_with_it_by_the_stall_inspector(tmp_path):
-    """As portddp.jax's grad_fn (tests/test_jax_misuse.py): rank 1 changed its model after wrapping,
-    its forward raised, its script caught that and went elsewhere; the stall table says what it raised."""
+_PREAMBLE = ("import time, torch, portddp\n"
+             "from portddp.torch import DistributedDataParallel as DDP\n"
+             "w = portddp.init()\n"
+             "ddp = DDP(torch.nn.Linear(3, 1), transport='mpi')\n")
+CAUGHT = {
+    # rank 1 changed its model after wrapping: its forward raises
+    "forward": ("if w.rank == 1:\n"
+                "    ddp.module.extra = torch.nn.Parameter(torch.ones(2))\n"
+                "try:\n"
+                "    ddp(torch.ones(4, 3)).sum().backward()\n"
+                "except RuntimeError:\n"
+                "    print('CAUGHT', w.rank, flush=True)\n"
+                "    time.sleep(60)\n", r"RuntimeError: .*"),
+    # rank 1 runs a second backward through the first one's graph: portddp's gradient hook raises in it,
+    # while rank 0 goes on to the next iteration's all-reduce
+    "backward": ("loss = ddp(torch.ones(4, 3)).sum()\n"
+                 "loss.backward(retain_graph=True)\n"
+                 "if w.rank == 1:\n"
+                 "    try:\n"
+                 "        loss.backward()\n"
+                 "    except RuntimeError:\n"
+                 "        print('CAUGHT', w.rank, flush=True)\n"
+                 "        time.sleep(60)\n"
+                 "ddp(torch.ones(4, 3)).sum().backward()\n",
+                 r"RuntimeError: gradient of '(weight|bias)' arrived outside a DDP iteration.*"),
+}
+
+
+@pytest.mark.parametrize("where", CAUGHT)
+def test_a_rank_that_caught_portddps_error_is_named_with_it_by_the_stall_inspector(where, tmp_path):
+    """As portddp.jax's grad_fn (tests/test_jax_misuse.py): rank 1's forward, or a gradient hook in its
+    backward, raised; its script caught that and went elsewhere; the stall table says what it raised."""
+    body, raised = CAUGHT[where]
     script = tmp_path / "caught.py"
-    script.write_text(
-        "import time, torch, portddp\n"
-        "from portddp.torch import DistributedDataParallel as DDP\n"
-        "w = portddp.init()\n"
-        "ddp = DDP(torch.nn.Linear(3, 1), transport='mpi')\n"
-        "if w.rank == 1:\n"
-        "    ddp.module.extra = torch.nn.Parameter(torch.ones(2))\n"
-        "try:\n"
-        "    ddp(torch.ones(4, 3)).sum().backward()\n"
-        "except RuntimeError:\n"
-        "    print('CAUGHT', w.rank, flush=True)\n"
-        "    time.sleep(60)\n")
+    script.write_text(_PREAMBLE + body)
     proc = mpi.run_script(2, script, timeout=120, env={"PORTDDP_STALL_S": "5"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
     assert re.search(r"rank 1 is behind: .*has been computing for [\d.]+ s since \(its last portddp call raised "
-                     r"RuntimeError: .* \d+ s ago, and the script went on\)", out), out[-3000:]
+                     + raised + r" \d+ s ago, and the script went on\)", out), out[-3000:]
 
-
-def test_a_rank_that_caught_portddps_error_in_a_backward_is_named_with_it_by_the_stall_inspector(tmp_path):
-    """The same for an error raised inside the backward, by portddp's gradient hook: rank 1 runs a
-    second backward through the first one's graph, catches the error and goes elsewhere, while rank 0
-    waits in the next iteration's all-reduce."""
-    script = tmp_path / "caught_backward.py"
-    script.write_text(
-        "import time, torch, portddp\n"
-        "from portddp.torch import DistributedDataParallel as DDP\n"
-        "w = portddp.init()\n"
-        "ddp = DDP(torch.nn.Linear(3, 1), transport='mpi')\n"
-        "loss = ddp(torch.ones(4, 3)).sum()\n"
-        "loss.backward(retain_graph=True)\n"
-        "if w.rank == 1:\n"
-        "    try:\n"
-        "        loss.backward()\n"
-        "    except RuntimeError:\n"
-        "        print('CAUGHT', w.rank, flush=True)\n"
-        "        time.sleep(60)\n"
-        "ddp(torch.ones(4, 3)).sum().backward()\n")
-    proc = mpi.run_script(2, script, timeout=120, env={"PORTDDP_STALL_S": "5"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "CAUGHT 1" in proc.stdout, out[-3000:]
-    assert re.search(r"rank 1 is behind: .*has been computing for [\d.]+ s since \(its last portddp call raised "
-                     r"RuntimeError: gradient of '(weight|bias)' arrived outside a DDP iteration.* \d+ s ago, and the script "
-                     r"went on\)", out), out[-3000:]
