@@ -240,6 +240,9 @@ class MPITransport:
                 handle._error = e
             handle.done_ns = time.perf_counter_ns()
             handle._finish()
+            # (Drop the job now: kept until the next one arrives, its closure's tensors would be freed on
+            # this thread at an arbitrary later moment, in the middle of the next job's work.)
+            del item, job, handle
 
     def _submit(self, job, on_done=None) -> Handle:
         if self._thread is None:

@@ -164,8 +164,10 @@ class MPIComm(_Comm):
         def add(everyone):  # on the comm thread
             total = None
             for indices, raw, rows in everyone:
+                # (indices checked against the shape: a rank's part that is not this bucket's raises here
+                # instead of writing past the parameter when it is applied)
                 part = torch.sparse_coo_tensor(torch.from_numpy(indices), torch.from_numpy(raw).view(dtype).reshape(
-                    rows), tensor.shape, check_invariants=False)
+                    rows), tensor.shape, check_invariants=True)
                 total = part if total is None else total + part
             tensor.copy_(total.coalesce())
             return tensor
