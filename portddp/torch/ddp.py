@@ -747,9 +747,15 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         first iteration, as portddp.jax's, which may share the job's collectives."""
         if self.find_unused_parameters and not self.static_graph:
             return plan_as_registered(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
-        if self.transport == "c10d":
+        if self._native_schedule:
             return plan_as_registered(specs, math.inf, math.inf)
         return plan_buckets(specs, self.bucket_cap_mb, self.first_bucket_cap_mb)
+
+    @property
+    def _native_schedule(self) -> bool:
+        """Whether the buckets follow native's schedule iteration by iteration (_initial_plan,
+        _observes_order): on c10d, where the sums are Gloo's as native's."""
+        return self.transport == "c10d"
 
     def _keep_hooks_last(self) -> None:
         """Native's reducer takes a gradient after every post-accumulate-grad hook of its parameter,
@@ -772,18 +778,22 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
             ddp = ref()
             if ddp is None:
                 return
-            if ddp._sync and (ddp._expect_grads or ddp._in_ddp_backward()):
-                # An undefined gradient (e.g. from an output the loss ignores): native's rule -- not
-                # used, with find_unused_parameters or static_graph (its .grad stays None); else a
-                # zero gradient, reduced with the others'.
-                if param.grad is not None or not (ddp.find_unused_parameters or ddp.static_graph):
-                    ddp._mark_ready(i, param)  # (outside an iteration: a second backward, refused there)
-            elif ddp._expect_grads and ddp._in_ddp_backward():
-                raise RuntimeError(_MIXED_BACKWARD.format(name=ddp._names[i]))
-            elif ddp.find_unused_parameters and param.grad is not None:  # under no_sync (or through
-                ddp._used_unsynced[i] = 1  # ddp.module) it simply accumulates in .grad: used since the last reduction
+            try:  # (a try costs nothing until it raises: no wrapper frame per parameter and backward)
+                if ddp._sync and (ddp._expect_grads or ddp._in_ddp_backward()):
+                    # An undefined gradient (e.g. from an output the loss ignores): native's rule -- not
+                    # used, with find_unused_parameters or static_graph (its .grad stays None); else a
+                    # zero gradient, reduced with the others'.
+                    if param.grad is not None or not (ddp.find_unused_parameters or ddp.static_graph):
+                        ddp._mark_ready(i, param)  # (outside an iteration: a second backward, refused there)
+                elif ddp._expect_grads and ddp._in_ddp_backward():
+                    raise RuntimeError(_MIXED_BACKWARD.format(name=ddp._names[i]))
+                elif ddp.find_unused_parameters and param.grad is not None:  # under no_sync (or through
+                    ddp._used_unsynced[i] = 1  # ddp.module) it accumulates in .grad: used since the last reduction
+            except BaseException as e:  # (raised through the script's backward(), which may catch it and go on)
+                watchdog.note_raised(e)
+                raise
 
-        return watchdog.noting_errors(hook)  # (raised through the script's backward(), which may catch it)
+        return hook
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
         now = _now()
@@ -923,7 +933,7 @@ class DistributedDataParallel(DDPCommon, NativeInterface, nn.Module, Joinable):
         everything at its end; native's reducer records the order in the second and keeps its one
         bucket until then)."""
         if self.static_graph:
-            return self._iterations >= (2 if self.transport == "c10d" else 1)
+            return self._iterations >= (2 if self._native_schedule else 1)
         return not self.find_unused_parameters and self._iterations >= 1
 
     def _carries_used(self) -> bool:
