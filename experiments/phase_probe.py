@@ -17,6 +17,9 @@ every rank at once, a limit's ranks drift apart, and the optimizer step -- the s
 row, memory-bound -- is slower when the ranks run it at the same moment.
 
     mpirun -bind-to user:0,1 -n 2 python -m experiments.phase_probe gelu-mlp 30 torch-local torch-mpi+view native --lockstep
+
+An implementation named twice is built twice (rows `native` and `native#2`): an A/A
+check of how far two instances of one step read apart in one run.
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ def main(argv: list[str]) -> None:
     malloc.keep_freed_memory()  # as the benchmark runs every row
     world = portddp.init()
     work = bench_workload(model)
-    trainers = {i: make_trainer(VIEW_OF.get(i, i), work, world, gradient_as_bucket_view=i in VIEW_OF) for i in impls}
+    trainers = {}
+    for k, i in enumerate(impls):  # (one named twice: two instances, "native" and "native#2" -- an A/A check)
+        label = i if i not in trainers else f"{i}#{impls[:k + 1].count(i)}"
+        trainers[label] = make_trainer(VIEW_OF.get(i, i), work, world, gradient_as_bucket_view=i in VIEW_OF)
     for trainer in trainers.values():
         for _ in range(4):
             timed_step(trainer)

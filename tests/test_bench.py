@@ -279,12 +279,14 @@ def test_step_profile_times_the_steps_and_writes_a_profile_per_rank(tmp_path):
 
 def test_phase_probe_times_each_phase_of_each_implementation_on_every_rank():
     """Each rank's line per implementation (and, with --lockstep, per implementation with a barrier
-    before its optimizer step: the barrier a phase of its own, zero in the other rows)."""
-    proc = mpi.run(2, "experiments.phase_probe", "mlp", "1", "torch-local", "torch-mpi+view", "--lockstep",
-                   timeout=240)
+    before its optimizer step: the barrier a phase of its own, zero in the other rows); one named
+    twice is built twice, its second row `<name>#2` (an A/A check)."""
+    proc = mpi.run(2, "experiments.phase_probe", "mlp", "1", "torch-local", "torch-mpi+view", "torch-local",
+                   "--lockstep", timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
-    impls = sorted(("torch-local", "torch-mpi+view", "torch-local+lockstep", "torch-mpi+view+lockstep"))
+    impls = sorted(f"{impl}{lockstep}" for impl in ("torch-local", "torch-mpi+view", "torch-local#2")
+                   for lockstep in ("", "+lockstep"))
     assert [line.split()[:4] for line in lines] == [["rank", str(r), "mlp", impl] for r in (0, 1)
                                                     for impl in impls], proc.stdout
     for line in lines:
