@@ -513,7 +513,7 @@ def _run_job(n: int, hosts: int, link: str, command: Sequence[str], quiet: bool)
                     f"{(a['rx_bytes'] - b['rx_bytes']) / 1e6:.1f} MB")
     finally:
         if made and made[0].teardown_s is not None:  # (also when interrupted: namespaces, links, job gone)
-            left = _remove_unmapped_segments(made[0].job_segments)
+            left = _remove_unused_segments(made[0].job_segments)
             say(f"removed (teardown {made[0].teardown_s:.2f} s" + (
                 f"; and the {len(left)} shared-memory segment(s) MPICH left in /dev/shm, its ranks stopped before "
                 f"MPI_Finalize: {', '.join(left)}" if left else "") + ")")
@@ -549,13 +549,14 @@ def _hydra_files(pid: str) -> set[Path]:
     return held
 
 
-def _remove_unmapped_segments(names: set[str]) -> list[str]:
-    """Remove the segments `names` (a job's own, note_job_leftovers) once no process maps them any more
-    (the job's ranks, SIGKILLed by the teardown, may take a moment to go); returns the removed names.
-    MPICH unlinks them in MPI_Finalize only; a rank's portddp.init does it early, a user's own MPI
-    script does not."""
+def _remove_unused_segments(names: set[str]) -> list[str]:
+    """Remove the segments `names` (a job's own, note_job_leftovers) once no process maps them or holds
+    them open any more (the job's ranks, SIGKILLed by the teardown, may take a moment to go); returns
+    the removed names. MPICH unlinks them in MPI_Finalize only; a rank's portddp.init does it early, a
+    user's own MPI script does not."""
     if not names:
         return []
+
     def in_use() -> set[str]:
         return {Path(p).name for p in mpich_segments_in_use()}
 
