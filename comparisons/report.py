@@ -444,7 +444,7 @@ def overlap_section(payload: dict) -> str:
             off = rows.get(f"{r['impl']} (no overlap)")
             speedup = f"{(off['median_s'] / r['median_s'] - 1) * 100:.1f} %" if off else "–"
             m = r["metrics"]
-            out.append([r["impl"], _ms_spread(r), _ms_spread(off) if off else "–",
+            out.append([r["label"], _ms_spread(r), _ms_spread(off) if off else "–",
                         speedup, f"{m['overlap_ratio']:.2f}" if "overlap_ratio" in m else "–",
                         f"{m['exposed_comm_time'] * 1e3:.1f}" if "exposed_comm_time" in m else "–"])
         elif r["params"].get("overlap") is None:
@@ -452,7 +452,7 @@ def overlap_section(payload: dict) -> str:
     paper = ", ".join(f"{k} {v} %" for k, v in PAPER_OVERLAP.items())
     return (table(["implementation", "overlap on (ms)", "overlap off (ms)", "speedup", "overlap ratio",
                    "exposed comm (ms)"], out)
-            + _calibration_text(payload)
+            + _calibration_text(payload) + _caps_text(payload)
             + "\n\nTimes: median (25th–75th percentile) of the timed iterations; a speedup smaller than that "
               f"spread is noise. Speedup = t(off) / t(on) − 1. The DDP paper's §5.1 reports, on 32 GPUs: {paper}. "
               + ("On the emulated cluster communication waits on a shaped link, as on a real network; the ranks "
@@ -461,6 +461,25 @@ def overlap_section(payload: dict) -> str:
                  "Here the ranks share the cores and communicate through memory, so computation and "
                  "communication compete for the same cores: overlap can only hide the waiting, not the work of "
                  "reducing.") + "\n")
+
+
+def _caps_text(payload: dict) -> str:
+    """Which bucket cap each row ran at: the run's for portddp's rows, and native's own defaults where a row
+    has them (until 2026-12-07 a run held native there alone)."""
+    caps = {r["knobs"].get("bucket_cap_mb") for r in payload["rows"]
+            if r["params"].get("overlap") is not None and r["knobs"].get("bucket_cap_mb") is not None}
+    if len(caps) != 1:
+        return ""
+    mb = caps.pop()
+    native = [r for r in payload["rows"] if r["impl"] == "native"]
+    at_defaults = [r["label"] for r in native if "bucket_cap_mb" not in r["knobs"]]
+    text = f"\n\nBuckets of {mb:g} MB (the first {min(1.0, mb):g} MB) in every row"
+    if at_defaults and len(native) > 1:
+        text += (f" but *{at_defaults[0]}*: native DDP as a script gets it, 25 MB buckets -- fewer and larger, "
+                 "so their all-reduces start later in the backward pass")
+    elif at_defaults:
+        text += " but native DDP's, at its own defaults (25 MB buckets): another bucket plan than portddp's rows"
+    return text + "."
 
 
 def _calibration_text(payload: dict) -> str:
@@ -490,16 +509,19 @@ def _ms_spread(row: dict) -> str:
 
 
 def native_metrics_section(payload: dict) -> str:
-    rows = {r["impl"]: r for r in payload["rows"] if r["params"].get("overlap") is not False}
+    rows = {r["label"]: r for r in payload["rows"] if r["params"].get("overlap") is not False}
     if "native" not in rows or "torch-c10d" not in rows:
         return ""
+    # Until 2026-12-07 a run held native at its own defaults only; since then "native" is at the run's cap.
+    caps = ("at the same bucket cap" if "bucket_cap_mb" in rows["native"].get("knobs", {})
+            else "and its bucket cap follows its defaults")
     keys = ("backward_compute_time", "backward_comm_time", "backward_compute_comm_overlap_time")
     body = [[k, f"{rows['native']['metrics'].get(k, float('nan')) * 1e3:.2f}",
              f"{rows['torch-c10d']['metrics'].get(k, float('nan')) * 1e3:.2f}"] for k in keys]
     return ("\n### PyTorch's own metrics beside portddp's\n\n"
             + table(["metric (ms)", "native DDP (_get_ddp_logging_data)", "portddp.torch c10d (events)"], body)
             + "\n\nSame definitions, measured differently: native DDP averages its own C++ timers over the "
-              "iterations it samples (and its bucket cap follows its defaults), portddp reads host timestamps "
+              f"iterations it samples ({caps}), portddp reads host timestamps "
               "of the iterations above and takes medians.\n")
 
 

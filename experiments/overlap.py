@@ -14,6 +14,9 @@ from harness.config import parse_config
 OVERLAP_SWITCH = ("torch-c10d", "torch-mpi", "jax-hooked")  # native and compiled have no such switch
 
 
+NATIVE_DEFAULT_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
+
+
 def variants(cfg: Config, world):
     knobs = {"bucket_cap_mb": cfg.bucket_cap_mb, "first_bucket_cap_mb": min(1.0, cfg.bucket_cap_mb)}
     for impl in cfg.impls:
@@ -21,8 +24,13 @@ def variants(cfg: Config, world):
         if impl.endswith("-local"):
             yield runner.Variant(impl, impl, {}, group=framework, params={"overlap": None})
             continue
-        native_knobs = {} if impl == "native" else knobs  # native: its own defaults, for reference
-        yield runner.Variant(impl, impl, native_knobs, group=framework, params={"overlap": True})
+        # Every row at the run's bucket cap, native too: "vs native" compares like with like.
+        yield runner.Variant(impl, impl, knobs, group=framework, params={"overlap": True})
+        if impl == "native" and cfg.bucket_cap_mb != NATIVE_DEFAULT_CAP_MB:
+            # And native as a script gets it, for reference: on a slow link its 25 MB buckets start the
+            # first all-reduce late (the gradients of a small model fill one or two of them).
+            yield runner.Variant("native (default caps)", impl, {}, group=framework,
+                                 params={"overlap": True, "caps": "default"})
         if impl in OVERLAP_SWITCH:
             yield runner.Variant(f"{impl} (no overlap)", impl, {**knobs, "overlap": False}, group=framework,
                                  params={"overlap": False})

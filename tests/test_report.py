@@ -29,7 +29,11 @@ def test_overlap_experiment_measures_every_variant(results):
     payload = json.loads((results / "overlap-n2.json").read_text())
     labels = {r["label"] for r in payload["rows"]}
     assert {"native", "torch-c10d", "torch-c10d (no overlap)", "torch-mpi (no overlap)", "jax-hooked",
-            "jax-hooked (no overlap)", "jax-compiled", "torch-local", "jax-local"} <= labels
+            "jax-hooked (no overlap)", "jax-compiled", "torch-local", "jax-local", "native (default caps)"} <= labels
+    knobs = {r["label"]: r["knobs"] for r in payload["rows"]}
+    # native at the run's cap, like portddp's rows; and once as a script gets it, at its own defaults
+    assert knobs["native"]["bucket_cap_mb"] == knobs["torch-c10d"]["bucket_cap_mb"] == 0.01
+    assert knobs["native (default caps)"] == {}
     for r in payload["rows"]:
         assert r["median_s"] > 0 and len(r["times_s"]) == 2
         if r["impl"] in ("torch-c10d", "torch-mpi", "jax-hooked"):
@@ -56,6 +60,8 @@ def test_report_has_plots_and_tables(results, tmp_path):
         assert heading in md
     assert "mpirun -n 2 python -m experiments.overlap" in md
     assert "ResNet50, Gloo 26.8 %" in md
+    assert "Buckets of 0.01 MB (the first 0.01 MB) in every row but *native (default caps)*" in md
+    assert "| native (default caps) |" in md and "(at the same bucket cap)" in md
     for png in ("gantt.png", "bucket_sweep.png", "scaling.png"):
         assert (tmp_path / "rep" / png).read_bytes()[:4] == b"\x89PNG"
     html = (tmp_path / "rep" / "report.html").read_text()
