@@ -4,5 +4,7 @@ import atexit
 import gc
 import sys
 
-if sys.argv[:1] == ["-m"]:  # (run as a rank: the exit skips collecting torch's heap -- experiments/__init__.py)
-    atexit.register(gc.freeze)
+if sys.argv[:1] == ["-m"]:  # (run as a rank: the exit skips collecting torch's heap, lines go out whole --
+    atexit.register(gc.freeze)  # experiments/__init__.py)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)

@@ -11,5 +11,12 @@ import sys
 # comes with it: nothing in these programs may rely on a collection at exit to flush or close a file
 # (each closes its own with `with`). MPI_Finalize (mpi4py's, at the C level) runs later still. The same
 # in comparisons/ and tests/workers/, the other packages whose modules are mpirun's ranks.
+#
+# And each line of output reaches mpirun in one write: unbuffered (PYTHONUNBUFFERED, as the test suite and
+# many launchers set it) a print writes its text and its newline apart, and mpirun, which passes on what each
+# rank writes as it comes, can then run one rank's line straight into another's. Still flushed at every
+# newline, as unbuffered output is (a print with end="" waits for its line's end, or its flush=True).
 if sys.argv[:1] == ["-m"]:
     atexit.register(gc.freeze)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)

@@ -276,14 +276,17 @@ def test_processes_a_rank_starts_are_no_ranks():
     what it is (it was told torchrun had started the job)."""
     proc = mpi.run(2, "tests.workers.spawned_child", timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = re.findall(r"SPAWNED rank=(\d) digest=(\S+) helper_rc=(\d+) helper='(.*)'", proc.stdout)
+    # mpirun merges the ranks' output as written, and an unbuffered print writes its text and its newline
+    # apart: one rank's line may run straight into the other's. Each match ends where the next tag begins.
+    end = r"(?=SPAWNED rank=|MPI_CHILD rank=|JAX_CHILD rank=|$)"
+    rows = re.findall(r"SPAWNED rank=(\d) digest=(\S+?) helper_rc=(\d+) helper='([^']*)'", proc.stdout)
     assert sorted(r[0] for r in rows) == ["0", "1"], proc.stdout + proc.stderr[-3000:]
     assert len({r[1] for r in rows}) == 1, rows  # the same parameters on both ranks
     assert all(r[2] == "0" and r[3] == "helper ok" for r in rows), rows
-    refusals = re.findall(r"MPI_CHILD rank=\d (.*)", proc.stdout)
+    refusals = re.findall(r"MPI_CHILD rank=\d (.*?)" + end, proc.stdout, re.M)
     assert len(refusals) == 2 and all(re.search(r"transport='mpi' needs MPI ranks, and this process \(pid \d+\) is "
                                                 r"not one: an mpirun rank started it", m) for m in refusals), refusals
-    refusals = re.findall(r"JAX_CHILD rank=\d (.*)", proc.stdout)  # (portddp.jax's hooked strategy alike)
+    refusals = re.findall(r"JAX_CHILD rank=\d (.*?)" + end, proc.stdout, re.M)  # (portddp.jax's hooked strategy alike)
     assert len(refusals) == 2 and all(re.search(r"strategy='hooked' \(its collectives go over MPI\) needs MPI ranks, "
                                                 r"and this process \(pid \d+\) is not one", m) for m in refusals), refusals
 
