@@ -12,8 +12,6 @@ from harness.calibrate import OverlapConfig as Config  # (there: the bandwidth s
 from harness.config import parse_config
 
 OVERLAP_SWITCH = ("torch-c10d", "torch-mpi", "jax-hooked")  # native and compiled have no such switch
-
-
 NATIVE_DEFAULT_CAP_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb
 
 
@@ -27,8 +25,8 @@ def variants(cfg: Config, world):
         # Every row at the run's bucket cap, native too: "vs native" compares like with like.
         yield runner.Variant(impl, impl, knobs, group=framework, params={"overlap": True})
         if impl == "native" and cfg.bucket_cap_mb != NATIVE_DEFAULT_CAP_MB:
-            # And native as a script gets it, for reference: on a slow link its 25 MB buckets start the
-            # first all-reduce late (the gradients of a small model fill one or two of them).
+            # And native as a script gets it, for reference: 25 MB buckets, fewer and larger, so their
+            # all-reduces start later in the backward pass (on a slow link that shows).
             yield runner.Variant("native (default caps)", impl, {}, group=framework,
                                  params={"overlap": True, "caps": "default"})
         if impl in OVERLAP_SWITCH:

@@ -277,7 +277,8 @@ def test_processes_a_rank_starts_are_no_ranks():
     proc = mpi.run(2, "tests.workers.spawned_child", timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # mpirun merges the ranks' output as written, and an unbuffered print writes its text and its newline
-    # apart: one rank's line may run straight into the other's. Each match ends where the next tag begins.
+    # apart: one rank's line could run straight into the other's (tests/workers/__init__.py now sends lines
+    # whole; the patterns hold either way: each match ends where the next tag begins).
     end = r"(?=SPAWNED rank=|MPI_CHILD rank=|JAX_CHILD rank=|$)"
     rows = re.findall(r"SPAWNED rank=(\d) digest=(\S+?) helper_rc=(\d+) helper='([^']*)'", proc.stdout)
     assert sorted(r[0] for r in rows) == ["0", "1"], proc.stdout + proc.stderr[-3000:]
