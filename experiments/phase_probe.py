@@ -104,7 +104,7 @@ def main(argv: list[str]) -> None:
         total = statistics.median(sum(s[p][0] for p in PHASES) for s in taken) * 1e3
         parts = "  ".join(f"{p} {statistics.median(s[p][0] for s in taken) * 1e3:.1f} / "
                           f"{statistics.median(s[p][1] for s in taken) * 1e3:.1f}" for p in PHASES)
-        print(f"rank {world.rank} {model} {label:24s} step {total:6.1f} ms   {parts}\n", end="", flush=True)
+        print(f"rank {world.rank} {model} {label:24s} step {total:6.1f} ms   {parts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,7 @@ def main(impl: str = "jax-hooked", model: str = "mlp") -> None:
             perf = None
     line = (f"rank {world.rank} {impl} {model}: {wall / steps * 1e3:.1f} ms per step, CPU {cpu / steps * 1e3:.1f} "
             f"ms (main thread {main_cpu / steps * 1e3:.1f})" + (f", profile in {data}" if perf else ""))
-    # One write for the line and its newline: unbuffered (PYTHONUNBUFFERED), print() writes them
-    # apart, and mpirun may then put the other rank's line between the two.
-    print(line + "\n", end="", flush=True)
+    print(line, flush=True)  # (one write with its newline: experiments/__init__.py)
 
 
 if __name__ == "__main__":
