@@ -84,12 +84,16 @@ def thread_cpu() -> dict[int, tuple[str, str, float]]:
     Read from /proc/self/task/<tid>/schedstat (nanoseconds on the CPU, read from any
     thread: no need to run code inside the comm thread), or utime + stime from
     /proc/self/task/<tid>/stat (clock ticks) where schedstat is missing. Empty
-    elsewhere than Linux."""
+    elsewhere than Linux. The kernel brings a running thread's schedstat up to date only
+    at its scheduler's events (a tick, a switch): the calling thread -- the main thread,
+    running as it reads -- would lag by up to a tick (4 ms), as much as a tiny step takes
+    (a turn read 0 s); its own count comes from time.thread_time(), the same counter
+    brought up to date."""
     base = "/proc/self/task"
     if not os.path.isdir(base):
         return {}
     python_names = {t.native_id: t.name for t in threading.enumerate()}
-    main = threading.main_thread().native_id
+    main, me = threading.main_thread().native_id, threading.get_native_id()
     out = {}
     for entry in os.listdir(base):
         tid = int(entry)
@@ -97,8 +101,11 @@ def thread_cpu() -> dict[int, tuple[str, str, float]]:
             with open(f"{base}/{entry}/comm") as f:
                 os_name = f.read().strip()
             try:
-                with open(f"{base}/{entry}/schedstat") as f:
-                    seconds = int(f.read().split()[0]) / 1e9
+                if tid == me:
+                    seconds = time.thread_time()
+                else:
+                    with open(f"{base}/{entry}/schedstat") as f:
+                        seconds = int(f.read().split()[0]) / 1e9
             except (OSError, ValueError, IndexError):
                 with open(f"{base}/{entry}/stat") as f:
                     fields = f.read().rpartition(")")[2].split()
